@@ -1,0 +1,199 @@
+//! A configurable training run used by the multi-process tests: trains a small MLP with the
+//! runtime API and writes what happened (final weights, per-micro-step collectives, learning
+//! rates) to `out/rank{R}.json` so a test can compare it with plain candle.
+//!
+//! Arguments are `key=value`: `opt=sgd|adamw steps=K batch=B n=N accum=A precision=no|fp16|bf16
+//! lr=F momentum=F clip_norm=F clip_value=F shuffle=0|1 sched=none|step loss_scale=F out=DIR`.
+
+use candle_core::{DType, Module, Tensor};
+use candle_nn::{linear, Linear, Optimizer, VarBuilder, VarMap};
+use ivme::data::{DataLoader, TensorDataset};
+use ivme::optim::{AdamW, LrScheduler, ParamsAdamW, ParamsSgd, Sgd, StepLr};
+use ivme::rng::Rng;
+use ivme::{Accelerator, Gradients, Precision};
+use std::collections::BTreeMap;
+
+/// The MLP every multi-process test trains: 4 → 8 (tanh) → 1.
+pub struct Mlp {
+    a: Linear,
+    b: Linear,
+}
+
+impl Mlp {
+    fn new(vb: VarBuilder) -> candle_core::Result<Self> {
+        Ok(Mlp { a: linear(4, 8, vb.pp("a"))?, b: linear(8, 1, vb.pp("b"))? })
+    }
+}
+
+impl Module for Mlp {
+    fn forward(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
+        self.b.forward(&self.a.forward(xs)?.tanh()?)
+    }
+}
+
+struct Args(BTreeMap<String, String>);
+
+impl Args {
+    fn parse() -> Self {
+        Args(
+            std::env::args()
+                .skip(1)
+                .filter_map(|a| a.split_once('=').map(|(k, v)| (k.to_string(), v.to_string())))
+                .collect(),
+        )
+    }
+    fn get<T: std::str::FromStr>(&self, k: &str, default: T) -> T {
+        self.0.get(k).and_then(|v| v.parse().ok()).unwrap_or(default)
+    }
+    fn str(&self, k: &str, default: &str) -> String {
+        self.0.get(k).cloned().unwrap_or_else(|| default.to_string())
+    }
+}
+
+enum Opt {
+    Sgd(ivme::optim::AcceleratedOptimizer<Sgd>),
+    AdamW(ivme::optim::AcceleratedOptimizer<AdamW>),
+}
+
+impl Opt {
+    fn step(&mut self, g: &Gradients) -> ivme::Result<()> {
+        match self {
+            Opt::Sgd(o) => o.step(g),
+            Opt::AdamW(o) => o.step(g),
+        }
+    }
+    fn lr(&self) -> f64 {
+        match self {
+            Opt::Sgd(o) => o.learning_rate(),
+            Opt::AdamW(o) => o.learning_rate(),
+        }
+    }
+    fn skipped(&self) -> bool {
+        match self {
+            Opt::Sgd(o) => o.optimizer_step_was_skipped(),
+            Opt::AdamW(o) => o.optimizer_step_was_skipped(),
+        }
+    }
+}
+
+fn main() -> ivme::Result<()> {
+    let args = Args::parse();
+    let precision: Precision = args.str("precision", "no").parse()?;
+    let mut builder = Accelerator::builder()
+        .grad_accum(args.get("accum", 1))
+        .precision(precision)
+        .cpu(true);
+    if let Some(v) = args.0.get("clip_norm").and_then(|v| v.parse().ok()) {
+        builder = builder.clip_grad_norm(v);
+    }
+    if let Some(v) = args.0.get("clip_value").and_then(|v| v.parse().ok()) {
+        builder = builder.clip_grad_value(v);
+    }
+    let mut acc = builder.build()?;
+    let dev = acc.device().clone();
+    let rank = acc.process_index();
+
+    let varmap = VarMap::new();
+    let model = Mlp::new(VarBuilder::from_varmap(&varmap, acc.param_dtype(DType::F32), &dev))?;
+    // Each rank starts from different weights: prepare must make them all rank 0's.
+    init_weights(&varmap, 1 + 1000 * rank as u64)?;
+
+    let n: usize = args.get("n", 64);
+    let data = dataset(n)?;
+    let loss_mult: f64 = args.get("loss_scale", 1.0);
+    let lr: f64 = args.get("lr", 0.05);
+    let opt_name = args.str("opt", "sgd");
+    let loader = DataLoader::new(data, args.get("batch", 4))
+        .shuffle(args.get("shuffle", 0u8) == 1)
+        .seed(11);
+    let (varmap, mut loader) = acc.prepare((varmap, loader))?;
+    let mut opt = match opt_name.as_str() {
+        "adamw" => Opt::AdamW(acc.prepare(AdamW::new(
+            varmap.all_vars(),
+            ParamsAdamW { lr, weight_decay: 0.01, ..Default::default() },
+        )?)?),
+        _ => Opt::Sgd(acc.prepare(Sgd::new(
+            varmap.all_vars(),
+            ParamsSgd { lr, momentum: args.get("momentum", 0.0), ..Default::default() },
+        )?)?),
+    };
+    let mut sched = match (args.str("sched", "none").as_str(), &opt) {
+        ("step", Opt::Sgd(o)) => Some(LrScheduler::new(o, StepLr::new(1, 0.5)?)),
+        ("step", Opt::AdamW(o)) => Some(LrScheduler::new(o, StepLr::new(1, 0.5)?)),
+        _ => None,
+    };
+
+    let steps: usize = args.get("steps", 4);
+    let inject_inf_at: i64 = args.get("inject_inf_at", -1);
+    let mut micro = Vec::new();
+    let mut micro_index = 0i64;
+    'outer: loop {
+        for batch in loader.iter() {
+            let (x, y) = batch?;
+            let before = acc.collective_count();
+            let out = acc.autocast(|ac| model.forward(&ac.input(&x)?))?;
+            let mut loss = (candle_nn::loss::mse(&out, &y)? * loss_mult)?;
+            if micro_index == inject_inf_at {
+                loss = (loss * f64::INFINITY)?;
+            }
+            let mut grads = acc.backward(&loss)?;
+            let norm = if acc.gradient_accumulation_steps() > 0 { grads.grad_norm() } else { None };
+            let _ = &mut grads;
+            opt.step(&grads)?;
+            if let Some(s) = sched.as_mut() {
+                s.step();
+            }
+            micro.push(serde_json::json!({
+                "sync": grads.is_sync_step(),
+                "collectives": acc.collective_count() - before,
+                "lr": opt.lr(),
+                "skipped": opt.skipped(),
+                "overflow": grads.found_overflow(),
+                "norm": norm,
+                "out_dtype": format!("{:?}", out.dtype()),
+            }));
+            micro_index += 1;
+            if micro.len() >= steps {
+                break 'outer;
+            }
+        }
+    }
+    let params: BTreeMap<String, Vec<f32>> = acc
+        .named_master_vars()
+        .into_iter()
+        .map(|(k, v)| Ok((k, v.as_tensor().flatten_all()?.to_vec1::<f32>()?)))
+        .collect::<candle_core::Result<_>>()?;
+    let compute_dtype = format!("{:?}", varmap.all_vars()[0].dtype());
+    let report = serde_json::json!({
+        "rank": rank, "world": acc.num_processes(), "params": params, "micro": micro,
+        "compute_dtype": compute_dtype,
+        "scale": acc.scaler().map(|s| s.scale),
+    });
+    let out = args.str("out", ".");
+    std::fs::create_dir_all(&out).map_err(|e| ivme::Error::io(format!("creating {out}"), e))?;
+    let path = format!("{out}/rank{rank}.json");
+    std::fs::write(&path, serde_json::to_vec_pretty(&report)?).map_err(|e| ivme::Error::io(format!("writing {path}"), e))?;
+    Ok(())
+}
+
+/// Sets every variable, in name order, from a generator seeded with `seed`.
+fn init_weights(varmap: &VarMap, seed: u64) -> ivme::Result<()> {
+    let mut rng = Rng::new(seed);
+    let data = varmap.data().lock().expect("varmap lock");
+    let mut names: Vec<&String> = data.keys().collect();
+    names.sort();
+    for name in names {
+        let var = &data[name];
+        let t = rng.randn(0.0, 0.5, var.shape(), var.device())?.to_dtype(var.dtype())?;
+        var.set(&t)?;
+    }
+    Ok(())
+}
+
+/// n samples of 4 features with a smooth target, the same on every rank.
+fn dataset(n: usize) -> ivme::Result<TensorDataset<(Tensor, Tensor)>> {
+    let mut rng = Rng::new(42);
+    let x = rng.randn(0.0, 1.0, (n, 4), &candle_core::Device::Cpu)?;
+    let y = x.sum_keepdim(1)?.sin()?;
+    TensorDataset::new((x, y))
+}

@@ -1,0 +1,486 @@
+//! The [`Accelerator`]: a thin facade over process state, communication, gradients,
+//! precision and data, with one code path for one process and for many.
+
+use crate::autocast::{Autocast, AutocastOutput};
+use crate::comm::{self, Communicator, Counted};
+use crate::config::{resolve, Precision, Resolved};
+use crate::error::{Error, Result};
+use crate::grads::{GradientState, Gradients, MicroStep, ParamSet};
+use crate::optim::{AcceleratedOptimizer, StatefulOptimizer};
+use crate::prepare::Prepare;
+use crate::scaler::LossScaler;
+use crate::state::{select_device, EnvLayout, ProcessState};
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Tensor, Var};
+use candle_nn::VarMap;
+use std::fmt::Display;
+use std::sync::Arc;
+
+/// Settings for an [`Accelerator`]; anything left unset comes from the launcher's
+/// environment (`IVME_*`), then from the defaults.
+#[derive(Debug, Clone, Default)]
+pub struct AcceleratorBuilder {
+    grad_accum: Option<usize>,
+    precision: Option<Precision>,
+    cpu: Option<bool>,
+    clip_grad_norm: Option<f64>,
+    clip_grad_value: Option<f64>,
+    seed: Option<u64>,
+    bucket_mb: Option<usize>,
+}
+
+impl AcceleratorBuilder {
+    /// Accumulates gradients over `n` micro-batches per optimizer step (`n >= 1`).
+    pub fn grad_accum(mut self, n: usize) -> Self {
+        self.grad_accum = Some(n);
+        self
+    }
+    /// Sets the compute precision.
+    pub fn precision(mut self, p: Precision) -> Self {
+        self.precision = Some(p);
+        self
+    }
+    /// Forces the CPU even when a GPU is present.
+    pub fn cpu(mut self, cpu: bool) -> Self {
+        self.cpu = Some(cpu);
+        self
+    }
+    /// Clips the synced gradients to this global L2 norm before every real step.
+    pub fn clip_grad_norm(mut self, max_norm: f64) -> Self {
+        self.clip_grad_norm = Some(max_norm);
+        self
+    }
+    /// Clamps the synced gradients to `[-v, v]` before every real step.
+    pub fn clip_grad_value(mut self, v: f64) -> Self {
+        self.clip_grad_value = Some(v);
+        self
+    }
+    /// The seed for ivme's generators (shuffling and the like).
+    pub fn seed(mut self, seed: u64) -> Self {
+        self.seed = Some(seed);
+        self
+    }
+    /// The size of the buffers gradients are flattened into for averaging, in MiB.
+    pub fn bucket_size_mb(mut self, mb: usize) -> Self {
+        self.bucket_mb = Some(mb);
+        self
+    }
+
+    /// Resolves the settings, joins the distributed run and builds the Accelerator.
+    pub fn build(self) -> Result<Accelerator> {
+        let mut warnings = Vec::new();
+        let mut take = |w: Option<String>| warnings.extend(w);
+        let (grad_accum, w) = resolve("grad_accum", self.grad_accum, "IVME_GRAD_ACCUM", 1usize)?;
+        take(w);
+        let (precision, w) = resolve("precision", self.precision, "IVME_PRECISION", Precision::No)?;
+        take(w);
+        let (cpu, w) = resolve("cpu", self.cpu, "IVME_CPU", false).or_else(|_| {
+            // Launchers write 0/1 for booleans.
+            let raw = std::env::var("IVME_CPU").unwrap_or_default();
+            Ok::<_, Error>((
+                Resolved { value: self.cpu.unwrap_or(raw.trim() == "1"), source: crate::config::Source::Launcher },
+                None,
+            ))
+        })?;
+        take(w);
+        if grad_accum.value == 0 {
+            return Err(Error::config("grad_accum", 0, "use 1 (no accumulation) or more"));
+        }
+        if let (Some(_), Some(_)) = (self.clip_grad_norm, self.clip_grad_value) {
+            return Err(Error::config(
+                "clip_grad_norm",
+                "set together with clip_grad_value",
+                "choose one kind of clipping",
+            ));
+        }
+        for (k, v) in [("clip_grad_norm", self.clip_grad_norm), ("clip_grad_value", self.clip_grad_value)] {
+            if let Some(v) = v {
+                if !(v > 0.0 && v.is_finite()) {
+                    return Err(Error::config(k, v, "use a positive, finite number"));
+                }
+            }
+        }
+
+        let layout = EnvLayout::from_env()?;
+        let (rank, world, local_rank, local_world) = match layout {
+            Some(l) => (l.rank, l.world_size, l.local_rank, l.local_world_size),
+            None => (0, 1, 0, 1),
+        };
+        let comm = comm::open(world)?;
+        if comm.world_size() != world || comm.rank() != rank {
+            return Err(Error::Setup(format!(
+                "the environment says rank {rank} of {world} but {} says rank {} of {}; start \
+                 the program with `ivme launch` or a matching mpirun",
+                comm.name(),
+                comm.rank(),
+                comm.world_size()
+            )));
+        }
+        let device = select_device(local_rank, cpu.value)?;
+        check_precision(precision.value, &device)?;
+        let state = ProcessState { rank, world_size: world, local_rank, local_world_size: local_world, device };
+        if state.is_main_process() {
+            for w in &warnings {
+                eprintln!("{w}");
+            }
+        }
+        Ok(Accelerator {
+            grad_state: Arc::new(GradientState::new(grad_accum.value)),
+            scaler: (precision.value == Precision::Fp16).then(LossScaler::default),
+            state,
+            comm: Counted::new(comm),
+            precision: precision.value,
+            clip_norm: self.clip_grad_norm,
+            clip_value: self.clip_grad_value,
+            seed: self.seed.unwrap_or(0),
+            bucket_bytes: self.bucket_mb.unwrap_or(25).max(1) << 20,
+            models: Vec::new(),
+        })
+    }
+}
+
+/// Refuses a precision the device cannot run, rather than silently training in f32.
+fn check_precision(p: Precision, device: &Device) -> Result<()> {
+    if p == Precision::No {
+        return Ok(());
+    }
+    let dt = p.compute_dtype();
+    let probe = || -> candle_core::Result<()> {
+        let a = Tensor::ones((2, 2), dt, device)?;
+        a.matmul(&a)?.to_dtype(DType::F32)?.sum_all()?.to_scalar::<f32>()?;
+        Ok(())
+    };
+    probe().map_err(|e| {
+        Error::Precision(format!(
+            "{p} is not supported on {device:?} by this build ({e}); use precision \"no\" or \
+             another device"
+        ))
+    })
+}
+
+/// The entry point: knows the distributed setup and drives gradients, precision and data.
+///
+/// ```no_run
+/// # fn main() -> ivme::Result<()> {
+/// let mut accelerator = ivme::Accelerator::builder().grad_accum(2).build()?;
+/// accelerator.print(format!("training on {} processes", accelerator.num_processes()));
+/// # Ok(()) }
+/// ```
+#[derive(Debug)]
+pub struct Accelerator {
+    state: ProcessState,
+    comm: Counted,
+    precision: Precision,
+    grad_state: Arc<GradientState>,
+    scaler: Option<LossScaler>,
+    clip_norm: Option<f64>,
+    clip_value: Option<f64>,
+    seed: u64,
+    bucket_bytes: usize,
+    models: Vec<ParamSet>,
+}
+
+impl Accelerator {
+    /// An Accelerator with settings from the launcher's environment and the defaults.
+    pub fn new() -> Result<Self> {
+        Self::builder().build()
+    }
+
+    /// Starts configuring an Accelerator.
+    pub fn builder() -> AcceleratorBuilder {
+        AcceleratorBuilder::default()
+    }
+
+    /// The device this process computes on.
+    pub fn device(&self) -> &Device {
+        &self.state.device
+    }
+    /// This process's global rank.
+    pub fn process_index(&self) -> usize {
+        self.state.rank
+    }
+    /// This process's rank on its machine.
+    pub fn local_process_index(&self) -> usize {
+        self.state.local_rank
+    }
+    /// The number of processes in the run.
+    pub fn num_processes(&self) -> usize {
+        self.state.world_size
+    }
+    /// Whether this is the main process (global rank 0).
+    pub fn is_main_process(&self) -> bool {
+        self.state.is_main_process()
+    }
+    /// Whether this is the main process of its machine.
+    pub fn is_local_main_process(&self) -> bool {
+        self.state.is_local_main_process()
+    }
+    /// The full process state.
+    pub fn state(&self) -> &ProcessState {
+        &self.state
+    }
+    /// The configured precision.
+    pub fn precision(&self) -> Precision {
+        self.precision
+    }
+    /// The seed given to the builder (0 by default).
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+    /// Micro-batches per optimizer step.
+    pub fn gradient_accumulation_steps(&self) -> usize {
+        self.grad_state.accum()
+    }
+    /// Whether the next backward ends an accumulation window (a real optimizer step).
+    pub fn sync_gradients(&self) -> bool {
+        self.grad_state.peek().sync
+    }
+    /// The communicator, for collectives of your own.
+    pub fn comm(&self) -> &dyn Communicator {
+        &self.comm
+    }
+    /// How many collectives this process has run so far.
+    pub fn collective_count(&self) -> u64 {
+        self.comm.count()
+    }
+    /// The current fp16 loss scaler, if any.
+    pub fn scaler(&self) -> Option<&LossScaler> {
+        self.scaler.as_ref()
+    }
+
+    /// Blocks until every process reaches this point.
+    pub fn wait_for_everyone(&self) -> Result<()> {
+        self.comm.barrier()
+    }
+
+    /// Prints a line on the main process only.
+    pub fn print(&self, msg: impl Display) {
+        if self.is_main_process() {
+            println!("{msg}");
+        }
+    }
+
+    /// The dtype a model's variables should be created in: the compute dtype for a request
+    /// of f32 under mixed precision, the request otherwise.
+    pub fn param_dtype(&self, requested: DType) -> DType {
+        if requested == DType::F32 {
+            self.precision.compute_dtype()
+        } else {
+            requested
+        }
+    }
+
+    /// Prepares objects for training and returns them in the order given; see [`Prepare`].
+    pub fn prepare<P: Prepare>(&mut self, objects: P) -> Result<P::Output> {
+        objects.prepare_with(self)
+    }
+
+    /// Prepares `varmap` (if not yet) and wraps the optimizer built over its variables.
+    pub fn prepare_optimizer<O, E>(
+        &mut self,
+        varmap: &VarMap,
+        optimizer: std::result::Result<O, E>,
+    ) -> Result<AcceleratedOptimizer<O>>
+    where
+        O: StatefulOptimizer,
+        E: Into<Error>,
+    {
+        let optimizer = optimizer.map_err(Into::into)?;
+        if self.find_model(varmap).is_none() {
+            self.register_model(varmap)?;
+        }
+        self.wrap_optimizer(optimizer)
+    }
+
+    fn find_model(&self, varmap: &VarMap) -> Option<usize> {
+        let first = varmap.all_vars().into_iter().next()?;
+        self.models
+            .iter()
+            .position(|m| m.compute.iter().any(|v| v.as_tensor().id() == first.as_tensor().id()))
+    }
+
+    /// Makes every rank start from rank 0's weights and sets up f32 masters.
+    pub(crate) fn register_model(&mut self, varmap: &VarMap) -> Result<()> {
+        if self.find_model(varmap).is_some() {
+            return Err(Error::Prepare(
+                "this VarMap was already prepared; prepare each model once".into(),
+            ));
+        }
+        let mut named: Vec<(String, Var)> = varmap.data().lock().map_err(|_| {
+            Error::Prepare("the VarMap's lock is poisoned by an earlier panic".into())
+        })?
+        .iter()
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+        if named.is_empty() {
+            return Err(Error::Prepare(
+                "the VarMap has no variables yet: build the model from it before preparing".into(),
+            ));
+        }
+        named.sort_by(|a, b| a.0.cmp(&b.0));
+        let low = self.precision.compute_dtype();
+        let mut names = Vec::with_capacity(named.len());
+        let mut compute = Vec::with_capacity(named.len());
+        let mut master = Vec::with_capacity(named.len());
+        for (name, var) in named {
+            let dt = var.dtype();
+            if self.precision != Precision::No && dt == DType::F32 {
+                return Err(Error::Precision(format!(
+                    "precision is {} but variable `{name}` is f32, so the model would silently \
+                     train in f32; create it with `VarBuilder::from_varmap(&varmap, \
+                     accelerator.param_dtype(DType::F32), accelerator.device())`",
+                    self.precision
+                )));
+            }
+            // Broadcast in f32: exact for f16/bf16 values, and MPI has no half types.
+            let value = var.as_tensor().to_dtype(DType::F32)?;
+            let value = self.comm.broadcast(&value, 0)?;
+            let m = if dt == low && dt != DType::F32 {
+                let m = Var::from_tensor(&value)?;
+                var.set(&value.to_dtype(dt)?)?;
+                m
+            } else {
+                if self.state.world_size > 1 {
+                    var.set(&value.to_dtype(dt)?)?;
+                }
+                var.clone()
+            };
+            names.push(name);
+            compute.push(var);
+            master.push(m);
+        }
+        let sums = vec![None; names.len()];
+        self.models.push(ParamSet { names, compute, master, sums });
+        Ok(())
+    }
+
+    /// Points a user optimizer at the masters of a prepared model and wraps it.
+    pub(crate) fn wrap_optimizer<O: StatefulOptimizer>(&mut self, mut opt: O) -> Result<AcceleratedOptimizer<O>> {
+        let mut masters = Vec::with_capacity(opt.vars().len());
+        let mut copies = Vec::new();
+        for v in opt.vars() {
+            let id = v.as_tensor().id();
+            let found = self.models.iter().find_map(|m| {
+                m.compute.iter().position(|c| c.as_tensor().id() == id).map(|i| (m, i))
+            });
+            let Some((m, i)) = found else {
+                return Err(Error::Prepare(
+                    "the optimizer updates a variable of no prepared model; prepare the VarMap \
+                     before (or together with, earlier in the tuple) its optimizer"
+                        .into(),
+                ));
+            };
+            masters.push(m.master[i].clone());
+            if m.compute[i].as_tensor().id() != m.master[i].as_tensor().id() {
+                copies.push((m.compute[i].clone(), m.master[i].clone()));
+            }
+        }
+        if !copies.is_empty() {
+            opt.replace_vars(masters)?;
+        }
+        Ok(AcceleratedOptimizer::new(opt, copies))
+    }
+
+    /// The gradient state shared with prepared data loaders.
+    pub(crate) fn gradient_state(&self) -> Arc<GradientState> {
+        self.grad_state.clone()
+    }
+
+    /// Reports that batch `index` of `batches_in_epoch` is next, for hand-made data sources:
+    /// windows then end exactly where the data does.
+    pub fn micro_step(&self, index: usize, batches_in_epoch: usize) {
+        use crate::data::StepObserver;
+        self.grad_state.on_batch(index, batches_in_epoch);
+    }
+
+    /// Computes gradients of `loss`: scaled for fp16 and for its accumulation window,
+    /// summed over the window, then (on the window's last micro-batch) averaged across
+    /// processes, unscaled and clipped. Pass the result to a prepared optimizer's `step`.
+    pub fn backward(&mut self, loss: &Tensor) -> Result<Gradients> {
+        let MicroStep { window, sync } = self.grad_state.for_backward();
+        let scale = self.scaler.as_ref().map_or(1.0, |s| s.scale);
+        // Each micro-batch counts 1/window of its window's mean; the scale is undone after sync.
+        let factor = scale / window as f64;
+        let loss = if loss.dtype() == DType::F32 { loss.clone() } else { loss.to_dtype(DType::F32)? };
+        let loss = if factor == 1.0 { loss } else { (loss * factor)? };
+        let store = loss.backward()?;
+
+        if sync && self.state.world_size == 1 && self.scaler.is_none() && self.is_plain_fast_path() {
+            // One f32 process with nothing accumulated: candle's own store is already final.
+            let mut grads = Gradients::synced(store, false);
+            self.clip(&mut grads)?;
+            return Ok(grads);
+        }
+
+        for m in &mut self.models {
+            m.accumulate(&store)?;
+        }
+        drop(store);
+        if !sync {
+            return Ok(Gradients::accumulating());
+        }
+        let mut out = GradStore::default();
+        let inv_scale = 1.0 / scale;
+        let mut overflow = false;
+        for m in &mut self.models {
+            overflow |= m.take_synced(&self.comm, self.bucket_bytes, inv_scale, self.scaler.is_some(), &mut out)?;
+        }
+        if let Some(s) = &mut self.scaler {
+            s.update(overflow);
+        }
+        let mut grads = Gradients::synced(out, overflow);
+        if !overflow {
+            self.clip(&mut grads)?;
+        }
+        Ok(grads)
+    }
+
+    fn is_plain_fast_path(&self) -> bool {
+        self.models.iter().all(|m| !m.has_copies() && m.sums.iter().all(Option::is_none))
+    }
+
+    fn clip(&self, grads: &mut Gradients) -> Result<()> {
+        if self.clip_norm.is_none() && self.clip_value.is_none() {
+            return Ok(());
+        }
+        let vars: Vec<Var> = self.models.iter().flat_map(|m| m.master.iter().cloned()).collect();
+        if let Some(n) = self.clip_norm {
+            grads.clip_norm(&vars, n, 2.0)?;
+        }
+        if let Some(v) = self.clip_value {
+            grads.clip_value(&vars, v)?;
+        }
+        Ok(())
+    }
+
+    /// Clips synced gradients to a global `norm_type` norm of at most `max_norm` and returns
+    /// the norm before clipping (`None` on accumulation micro-steps).
+    pub fn clip_grad_norm(&self, grads: &mut Gradients, max_norm: f64, norm_type: f64) -> Result<Option<f64>> {
+        let vars: Vec<Var> = self.models.iter().flat_map(|m| m.master.iter().cloned()).collect();
+        grads.clip_norm(&vars, max_norm, norm_type)
+    }
+
+    /// Clamps synced gradients to `[-limit, limit]`.
+    pub fn clip_grad_value(&self, grads: &mut Gradients, limit: f64) -> Result<()> {
+        let vars: Vec<Var> = self.models.iter().flat_map(|m| m.master.iter().cloned()).collect();
+        grads.clip_value(&vars, limit)
+    }
+
+    /// Runs `f` in an autocast scope: inputs passed through the handle's
+    /// [`input`](Autocast::input) are cast to the compute dtype, results come back in f32.
+    pub fn autocast<T: AutocastOutput>(
+        &self,
+        f: impl FnOnce(&Autocast) -> candle_core::Result<T>,
+    ) -> candle_core::Result<T> {
+        let dtype = (self.precision != Precision::No).then(|| self.precision.compute_dtype());
+        Autocast::new(dtype).run(f)
+    }
+
+    /// The prepared models' variables by name: (name, f32 master) pairs, sorted by name.
+    pub fn named_master_vars(&self) -> Vec<(String, Var)> {
+        self.models
+            .iter()
+            .flat_map(|m| m.names.iter().cloned().zip(m.master.iter().cloned()))
+            .collect()
+    }
+}

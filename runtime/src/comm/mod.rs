@@ -1,0 +1,135 @@
+//! Collective communication: one small trait, one file per backend.
+//!
+//! A single process is a world of size one whose collectives are identities, so neither ivme
+//! nor the user's code branches on the world size.
+
+use crate::error::Result;
+use candle_core::Tensor;
+
+#[cfg(feature = "mpi")]
+mod mpi;
+mod single;
+
+#[cfg(feature = "mpi")]
+pub use self::mpi::MpiComm;
+pub use single::SingleComm;
+
+/// How values from every rank are combined.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReduceOp {
+    /// Element-wise sum.
+    Sum,
+    /// Element-wise mean over ranks.
+    Mean,
+    /// Element-wise maximum.
+    Max,
+    /// Element-wise minimum.
+    Min,
+}
+
+/// The collectives ivme needs. Every rank must make the same calls in the same order with
+/// tensors of the same shape and dtype; tensors may live on any device.
+pub trait Communicator {
+    /// This process's rank.
+    fn rank(&self) -> usize;
+    /// The number of processes.
+    fn world_size(&self) -> usize;
+    /// Combines `t` from every rank with `op`; every rank gets the result.
+    fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor>;
+    /// Every rank gets rank `root`'s `t`.
+    fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor>;
+    /// Concatenates every rank's `t` along dimension 0, in rank order.
+    fn all_gather(&self, t: &Tensor) -> Result<Tensor>;
+    /// Every rank gets rank `root`'s bytes (the lengths may differ before the call).
+    fn broadcast_bytes(&self, bytes: Vec<u8>, root: usize) -> Result<Vec<u8>>;
+    /// Every rank gets every rank's bytes, in rank order (lengths may differ).
+    fn all_gather_bytes(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>>;
+    /// Returns once every rank has reached it.
+    fn barrier(&self) -> Result<()>;
+    /// The backend's name, for reports.
+    fn name(&self) -> &'static str;
+}
+
+/// Wraps a communicator and counts the collectives it runs, so tests and reports can show
+/// that skipped micro-steps communicate nothing.
+pub struct Counted {
+    inner: Box<dyn Communicator>,
+    count: std::sync::atomic::AtomicU64,
+}
+
+impl Counted {
+    /// Counts the collectives of `inner`.
+    pub fn new(inner: Box<dyn Communicator>) -> Self {
+        Counted { inner, count: std::sync::atomic::AtomicU64::new(0) }
+    }
+
+    /// Collectives run so far.
+    pub fn count(&self) -> u64 {
+        self.count.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn tick(&self) {
+        self.count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+impl std::fmt::Debug for Counted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}(rank {} of {})", self.inner.name(), self.rank(), self.world_size())
+    }
+}
+
+impl Communicator for Counted {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+    fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        self.tick();
+        self.inner.all_reduce(t, op)
+    }
+    fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
+        self.tick();
+        self.inner.broadcast(t, root)
+    }
+    fn all_gather(&self, t: &Tensor) -> Result<Tensor> {
+        self.tick();
+        self.inner.all_gather(t)
+    }
+    fn broadcast_bytes(&self, bytes: Vec<u8>, root: usize) -> Result<Vec<u8>> {
+        self.tick();
+        self.inner.broadcast_bytes(bytes, root)
+    }
+    fn all_gather_bytes(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
+        self.tick();
+        self.inner.all_gather_bytes(bytes)
+    }
+    fn barrier(&self) -> Result<()> {
+        self.tick();
+        self.inner.barrier()
+    }
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+}
+
+/// Opens the communicator for a layout: MPI when a launcher started several processes,
+/// the single-process world otherwise.
+pub fn open(world_size: usize) -> Result<Box<dyn Communicator>> {
+    if world_size <= 1 {
+        return Ok(Box::new(SingleComm));
+    }
+    #[cfg(feature = "mpi")]
+    {
+        Ok(Box::new(MpiComm::init()?))
+    }
+    #[cfg(not(feature = "mpi"))]
+    {
+        Err(crate::Error::Setup(format!(
+            "the launcher started {world_size} processes but ivme was built without the `mpi` \
+             feature; enable it (default features) or run one process"
+        )))
+    }
+}

@@ -1,0 +1,125 @@
+//! The settings an [`Accelerator`](crate::Accelerator) is built from, and where each came from.
+
+use crate::error::{Error, Result};
+use candle_core::DType;
+use std::fmt;
+use std::str::FromStr;
+
+/// The numeric precision of the forward and backward passes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    /// Everything in f32.
+    #[default]
+    No,
+    /// f16 compute with f32 master weights and dynamic loss scaling.
+    Fp16,
+    /// bf16 compute with f32 master weights (no loss scaling needed).
+    Bf16,
+}
+
+impl Precision {
+    /// The valid spellings, for error messages.
+    pub const VALID: &'static [&'static str] = &["no", "fp16", "bf16"];
+
+    /// The dtype the model computes in under this precision.
+    pub fn compute_dtype(self) -> DType {
+        match self {
+            Precision::No => DType::F32,
+            Precision::Fp16 => DType::F16,
+            Precision::Bf16 => DType::BF16,
+        }
+    }
+
+    /// The spelling used in configs and the attribute.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Precision::No => "no",
+            Precision::Fp16 => "fp16",
+            Precision::Bf16 => "bf16",
+        }
+    }
+}
+
+impl fmt::Display for Precision {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for Precision {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "no" | "f32" | "fp32" | "none" => Ok(Precision::No),
+            "fp16" | "f16" => Ok(Precision::Fp16),
+            "bf16" => Ok(Precision::Bf16),
+            _ => Err(Error::config(
+                "precision",
+                s,
+                format!("use one of {}", Precision::VALID.join(", ")),
+            )),
+        }
+    }
+}
+
+/// Where a resolved setting's value came from, strongest first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Source {
+    /// Set in code: the builder or the `#[accelerate]` attribute.
+    Code,
+    /// Set by `ivme launch` or an `IVME_*` environment variable.
+    Launcher,
+    /// The built-in default.
+    Default,
+}
+
+impl fmt::Display for Source {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Source::Code => "code",
+            Source::Launcher => "launcher/environment",
+            Source::Default => "default",
+        })
+    }
+}
+
+/// A setting resolved from code, the launcher's environment and the default.
+#[derive(Debug, Clone, Copy)]
+pub struct Resolved<T> {
+    /// The value in force.
+    pub value: T,
+    /// Where it came from.
+    pub source: Source,
+}
+
+/// Resolves one setting by precedence (code > environment > default) and returns a warning
+/// naming both values when code and the environment disagree.
+pub(crate) fn resolve<T>(
+    key: &str,
+    code: Option<T>,
+    env_var: &str,
+    default: T,
+) -> Result<(Resolved<T>, Option<String>)>
+where
+    T: FromStr + PartialEq + fmt::Debug + Copy,
+    T::Err: fmt::Display,
+{
+    let from_env = match std::env::var(env_var) {
+        Ok(raw) if !raw.trim().is_empty() => Some(raw.trim().parse::<T>().map_err(|e| {
+            Error::config(env_var, &raw, format!("`{key}` from the environment: {e}"))
+        })?),
+        _ => None,
+    };
+    Ok(match (code, from_env) {
+        (Some(c), Some(e)) if c != e => (
+            Resolved { value: c, source: Source::Code },
+            Some(format!(
+                "ivme: `{key}` is {c:?} in code and {e:?} from {env_var}; using the code's value"
+            )),
+        ),
+        (Some(c), _) => (Resolved { value: c, source: Source::Code }, None),
+        (None, Some(e)) => (Resolved { value: e, source: Source::Launcher }, None),
+        (None, None) => (Resolved { value: default, source: Source::Default }, None),
+    })
+}

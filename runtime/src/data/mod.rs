@@ -1,0 +1,16 @@
+//! Data loading: datasets, seeded shuffling, sharding across processes, batching, device
+//! placement and a resumable position.
+
+mod dataset;
+mod loader;
+pub mod sampler;
+
+pub use dataset::{Dataset, TensorDataset};
+pub use loader::{Batches, DataLoader, LoaderPosition};
+
+/// Told about every batch a prepared loader hands out, so gradient accumulation knows where
+/// each accumulation window starts and ends (including a short last window).
+pub trait StepObserver: Send + Sync {
+    /// Batch `index` (0-based, within the epoch) of `batches_in_epoch` is about to be used.
+    fn on_batch(&self, index: usize, batches_in_epoch: usize);
+}

@@ -1,0 +1,97 @@
+//! One error type for the whole runtime: every message names the cause and the fix.
+
+use std::path::PathBuf;
+
+/// The result type used throughout ivme.
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// Everything that can go wrong in ivme, raised on every rank that sees it.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A tensor operation failed inside candle.
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+
+    /// A file or folder could not be read or written.
+    #[error("{context}: {source}")]
+    Io {
+        /// What ivme was doing.
+        context: String,
+        /// The operating system's error.
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// A setting has a value ivme cannot use.
+    #[error("invalid setting `{key}` = {value:?}: {fix}")]
+    Config {
+        /// The setting's name.
+        key: String,
+        /// The value that was given.
+        value: String,
+        /// What to write instead.
+        fix: String,
+    },
+
+    /// The environment describes a distributed run this build or machine cannot do.
+    #[error("distributed setup: {0}")]
+    Setup(String),
+
+    /// A collective operation failed or the ranks disagreed.
+    #[error("communication: {0}")]
+    Comm(String),
+
+    /// An object was handed to `prepare` twice, or in an order that cannot work.
+    #[error("prepare: {0}")]
+    Prepare(String),
+
+    /// A precision mode the build or the hardware cannot run.
+    #[error("precision: {0}")]
+    Precision(String),
+
+    /// A checkpoint or model file is missing, corrupt or does not match.
+    #[error("checkpoint {path}: {msg}")]
+    Checkpoint {
+        /// The file or folder concerned.
+        path: PathBuf,
+        /// What is wrong and what to do.
+        msg: String,
+    },
+
+    /// A JSON document could not be read or written.
+    #[error("json: {0}")]
+    Json(#[from] serde_json::Error),
+
+    /// Misuse of an API, with the fix in the message.
+    #[error("{0}")]
+    Usage(String),
+}
+
+impl Error {
+    /// Wraps an I/O error with what ivme was doing when it happened.
+    pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+        Error::Io {
+            context: context.into(),
+            source,
+        }
+    }
+
+    /// Builds a configuration error naming the key, the bad value and the fix.
+    pub fn config(key: impl Into<String>, value: impl ToString, fix: impl Into<String>) -> Self {
+        Error::Config {
+            key: key.into(),
+            value: value.to_string(),
+            fix: fix.into(),
+        }
+    }
+}
+
+/// Lets a candle training function that returns `candle_core::Result` use `?` on ivme calls.
+impl From<Error> for candle_core::Error {
+    fn from(e: Error) -> Self {
+        match e {
+            Error::Candle(inner) => inner,
+            other => candle_core::Error::wrap(other),
+        }
+    }
+}

@@ -1,0 +1,32 @@
+//! # ivme: Accelerate-style distributed training for candle
+//!
+//! Write an ordinary candle training loop; run it unchanged on a CPU, one GPU, many processes
+//! or many machines, with gradient accumulation, clipping and mixed precision. Use the
+//! [`Accelerator`] by hand, or put [`#[accelerate(...)]`](macro@accelerate) on the training
+//! function and let it write the runtime calls.
+//!
+//! A single process is a world of size one: the same program runs under `cargo run` and under
+//! `ivme launch --num_processes N`.
+
+pub mod accelerator;
+pub mod autocast;
+pub mod comm;
+pub mod config;
+pub mod data;
+pub mod error;
+pub mod grads;
+pub mod optim;
+pub mod prepare;
+pub mod rng;
+pub mod scaler;
+pub mod state;
+
+#[doc(hidden)]
+pub mod macro_support;
+
+pub use accelerator::{Accelerator, AcceleratorBuilder};
+pub use config::Precision;
+pub use error::{Error, Result};
+pub use grads::Gradients;
+pub use ivme_macros::accelerate;
+pub use prepare::Prepare;

@@ -1,0 +1,124 @@
+//! Items the `#[accelerate]` macro's generated code calls; not a stable API of its own.
+
+use crate::accelerator::Accelerator;
+use crate::data::sampler::plan_epoch;
+use crate::data::{Batches, Dataset, StepObserver};
+use crate::error::Result;
+use candle_core::{Device, Tensor};
+
+/// A batch that can be moved to a device (tensors, and tuples or vectors of them).
+pub trait ToDevice: Sized {
+    /// Returns `self` on `device`.
+    fn to_device(&self, device: &Device) -> candle_core::Result<Self>;
+}
+
+impl ToDevice for Tensor {
+    fn to_device(&self, device: &Device) -> candle_core::Result<Self> {
+        Tensor::to_device(self, device)
+    }
+}
+
+impl<T: ToDevice> ToDevice for Vec<T> {
+    fn to_device(&self, device: &Device) -> candle_core::Result<Self> {
+        self.iter().map(|t| t.to_device(device)).collect()
+    }
+}
+
+macro_rules! tuple_to_device {
+    ($($name:ident $i:tt),+) => {
+        impl<$($name: ToDevice),+> ToDevice for ($($name,)+) {
+            fn to_device(&self, device: &Device) -> candle_core::Result<Self> {
+                Ok(($(self.$i.to_device(device)?,)+))
+            }
+        }
+    };
+}
+tuple_to_device!(A 0);
+tuple_to_device!(A 0, B 1);
+tuple_to_device!(A 0, B 1, C 2);
+tuple_to_device!(A 0, B 1, C 2, D 3);
+
+/// A source of batches the macro can shard across processes.
+pub trait ShardSource {
+    /// The iterator over this process's share.
+    type Iter: Iterator;
+    /// This process's share, placed on the accelerator's device.
+    fn shard(self, accelerator: &Accelerator) -> Result<Self::Iter>;
+}
+
+/// This process's share of a plain list of batches: rank r takes batches r, r+W, …, with the
+/// last round padded from the start so every rank runs the same number of steps.
+pub struct Sharded<T> {
+    batches: std::vec::IntoIter<T>,
+    len: usize,
+    next: usize,
+    observer: std::sync::Arc<crate::grads::GradientState>,
+}
+
+impl<T: ToDevice> Iterator for Sharded<T> {
+    type Item = T;
+    fn next(&mut self) -> Option<T> {
+        let batch = self.batches.next()?;
+        self.observer.on_batch(self.next, self.len);
+        self.next += 1;
+        Some(batch)
+    }
+}
+
+// Moves this rank's share to the device up front, so a failure surfaces as an error before
+// the loop starts rather than in the middle of it.
+fn shard_vec<T: ToDevice>(items: &[T], accelerator: &Accelerator) -> Result<Sharded<T>> {
+    let order: Vec<usize> = (0..items.len()).collect();
+    let device = accelerator.device();
+    let mine = plan_epoch(&order, 1, accelerator.num_processes(), accelerator.process_index(), false, true)
+        .into_iter()
+        .flat_map(|b| b.indices)
+        .map(|i| items[i].to_device(device))
+        .collect::<candle_core::Result<Vec<T>>>()?;
+    Ok(Sharded {
+        len: mine.len(),
+        batches: mine.into_iter(),
+        next: 0,
+        observer: accelerator.gradient_state(),
+    })
+}
+
+impl<T: ToDevice> ShardSource for Vec<T> {
+    type Iter = Sharded<T>;
+    fn shard(self, accelerator: &Accelerator) -> Result<Self::Iter> {
+        shard_vec(&self, accelerator)
+    }
+}
+
+impl<T: ToDevice> ShardSource for &Vec<T> {
+    type Iter = Sharded<T>;
+    fn shard(self, accelerator: &Accelerator) -> Result<Self::Iter> {
+        shard_vec(self, accelerator)
+    }
+}
+
+impl<T: ToDevice> ShardSource for &[T] {
+    type Iter = Sharded<T>;
+    fn shard(self, accelerator: &Accelerator) -> Result<Self::Iter> {
+        shard_vec(self, accelerator)
+    }
+}
+
+impl<'a, D: Dataset> ShardSource for Batches<'a, D> {
+    type Iter = Batches<'a, D>;
+    fn shard(self, _: &Accelerator) -> Result<Self::Iter> {
+        Ok(self)
+    }
+}
+
+impl<'a, D: Dataset> ShardSource for &'a mut crate::data::DataLoader<D> {
+    type Iter = Batches<'a, D>;
+    fn shard(self, _: &Accelerator) -> Result<Self::Iter> {
+        Ok(self.iter())
+    }
+}
+
+/// This process's share of `source`, on the accelerator's device; see [`ShardSource`].
+pub fn shard<S: ShardSource>(accelerator: &Accelerator, source: S) -> Result<S::Iter> {
+    source.shard(accelerator)
+}

@@ -1,0 +1,1 @@
+//! Examples, integration tests and benches for ivme.

@@ -1,0 +1,91 @@
+//! Plain candle doing the maths the multi-process tests expect: the harness's model, data and
+//! initial weights, trained with candle-nn's own optimizers on whole global batches.
+
+use candle_core::{DType, Device, Module, Tensor};
+use candle_nn::{linear, Linear, Optimizer, VarBuilder, VarMap};
+use std::collections::BTreeMap;
+
+pub struct Mlp {
+    a: Linear,
+    b: Linear,
+}
+
+impl Module for Mlp {
+    fn forward(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
+        self.b.forward(&self.a.forward(xs)?.tanh()?)
+    }
+}
+
+/// The harness's model with rank 0's initial weights, in plain candle.
+#[allow(dead_code)]
+pub fn model() -> (VarMap, Mlp) {
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    let m = Mlp { a: linear(4, 8, vb.pp("a")).unwrap(), b: linear(8, 1, vb.pp("b")).unwrap() };
+    let mut rng = ivme::rng::Rng::new(1);
+    let data = varmap.data().lock().unwrap();
+    let mut names: Vec<&String> = data.keys().collect();
+    names.sort();
+    for name in names {
+        let v = &data[name];
+        v.set(&rng.randn(0.0, 0.5, v.shape(), &Device::Cpu).unwrap()).unwrap();
+    }
+    drop(data);
+    (varmap, m)
+}
+
+/// The harness's data set.
+#[allow(dead_code)]
+pub fn data(n: usize) -> (Tensor, Tensor) {
+    let mut rng = ivme::rng::Rng::new(42);
+    let x = rng.randn(0.0, 1.0, (n, 4), &Device::Cpu).unwrap();
+    let y = x.sum_keepdim(1).unwrap().sin().unwrap();
+    (x, y)
+}
+
+/// Gradients of the mean squared error of `m` on samples `idx`.
+#[allow(dead_code)]
+pub fn loss_on(m: &Mlp, x: &Tensor, y: &Tensor, idx: &[usize]) -> Tensor {
+    let i = Tensor::new(idx.iter().map(|&i| i as u32).collect::<Vec<_>>(), &Device::Cpu).unwrap();
+    let out = m.forward(&x.index_select(&i, 0).unwrap()).unwrap();
+    candle_nn::loss::mse(&out, &y.index_select(&i, 0).unwrap()).unwrap()
+}
+
+/// Trains with candle-nn's optimizer `O` on each global batch in `batches`.
+#[allow(dead_code)]
+pub fn train<O: Optimizer>(n: usize, batches: &[Vec<usize>], cfg: O::Config) -> BTreeMap<String, Vec<f32>> {
+    let (varmap, m) = model();
+    let (x, y) = data(n);
+    let mut opt = O::new(varmap.all_vars(), cfg).unwrap();
+    for b in batches {
+        opt.backward_step(&loss_on(&m, &x, &y, b)).unwrap();
+    }
+    params(&varmap)
+}
+
+/// Every variable's values by name.
+#[allow(dead_code)]
+pub fn params(varmap: &VarMap) -> BTreeMap<String, Vec<f32>> {
+    varmap
+        .data()
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(k, v)| (k.clone(), v.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap()))
+        .collect()
+}
+
+/// Consecutive global batches of `size` from `order`.
+#[allow(dead_code)]
+pub fn chunks(order: &[usize], size: usize, count: usize) -> Vec<Vec<usize>> {
+    order.chunks(size).take(count).map(|c| c.to_vec()).collect()
+}
+
+/// The largest absolute difference between two sets of parameters with the same names.
+#[allow(dead_code)]
+pub fn max_diff(a: &BTreeMap<String, Vec<f32>>, b: &BTreeMap<String, Vec<f32>>) -> f32 {
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>(), "different variables");
+    a.iter()
+        .flat_map(|(k, va)| va.iter().zip(&b[k]).map(|(x, y)| (x - y).abs()))
+        .fold(0.0, f32::max)
+}
