@@ -3,7 +3,7 @@
 //! rates) to `out/rank{R}.json` so a test can compare it with plain candle.
 //!
 //! Arguments are `key=value`: `opt=sgd|adamw steps=K batch=B n=N accum=A precision=no|fp16|bf16
-//! lr=F momentum=F clip_norm=F clip_value=F shuffle=0|1 sched=none|step loss_scale=F out=DIR`.
+//! lr=F momentum=F clip_norm=F clip_value=F shuffle=0|1 sched=none|step loss_scale=F init_scale=F inject_inf_at=I out=DIR`.
 
 use candle_core::{DType, Module, Tensor};
 use candle_nn::{linear, Linear, Optimizer, VarBuilder, VarMap};
@@ -89,6 +89,9 @@ fn main() -> ivme::Result<()> {
     if let Some(v) = args.0.get("clip_value").and_then(|v| v.parse().ok()) {
         builder = builder.clip_grad_value(v);
     }
+    if let Some(v) = args.0.get("init_scale").and_then(|v| v.parse().ok()) {
+        builder = builder.initial_loss_scale(v);
+    }
     let mut acc = builder.build()?;
     let dev = acc.device().clone();
     let rank = acc.process_index();
@@ -136,9 +139,8 @@ fn main() -> ivme::Result<()> {
             if micro_index == inject_inf_at {
                 loss = (loss * f64::INFINITY)?;
             }
-            let mut grads = acc.backward(&loss)?;
-            let norm = if acc.gradient_accumulation_steps() > 0 { grads.grad_norm() } else { None };
-            let _ = &mut grads;
+            let grads = acc.backward(&loss)?;
+            let norm = grads.grad_norm();
             opt.step(&grads)?;
             if let Some(s) = sched.as_mut() {
                 s.step();
@@ -151,6 +153,8 @@ fn main() -> ivme::Result<()> {
                 "overflow": grads.found_overflow(),
                 "norm": norm,
                 "out_dtype": format!("{:?}", out.dtype()),
+                "loss": loss.to_dtype(DType::F32)?.to_scalar::<f32>()?,
+                "param_sum": param_sum(&acc)?,
             }));
             micro_index += 1;
             if micro.len() >= steps {
@@ -174,6 +178,15 @@ fn main() -> ivme::Result<()> {
     let path = format!("{out}/rank{rank}.json");
     std::fs::write(&path, serde_json::to_vec_pretty(&report)?).map_err(|e| ivme::Error::io(format!("writing {path}"), e))?;
     Ok(())
+}
+
+/// A fingerprint of the master weights, to see on which micro-steps they change.
+fn param_sum(acc: &Accelerator) -> ivme::Result<f64> {
+    let mut s = 0f64;
+    for (_, v) in acc.named_master_vars() {
+        s += v.as_tensor().abs()?.sum_all()?.to_scalar::<f32>()? as f64;
+    }
+    Ok(s)
 }
 
 /// Sets every variable, in name order, from a generator seeded with `seed`.

@@ -27,9 +27,15 @@ pub struct AcceleratorBuilder {
     clip_grad_value: Option<f64>,
     seed: Option<u64>,
     bucket_mb: Option<usize>,
+    initial_loss_scale: Option<f64>,
 }
 
 impl AcceleratorBuilder {
+    /// The fp16 loss scale to start from (65536 by default); it adapts while training.
+    pub fn initial_loss_scale(mut self, scale: f64) -> Self {
+        self.initial_loss_scale = Some(scale);
+        self
+    }
     /// Accumulates gradients over `n` micro-batches per optimizer step (`n >= 1`).
     pub fn grad_accum(mut self, n: usize) -> Self {
         self.grad_accum = Some(n);
@@ -101,6 +107,12 @@ impl AcceleratorBuilder {
             }
         }
 
+        if let Some(s) = self.initial_loss_scale {
+            if !(s > 0.0 && s.is_finite()) {
+                return Err(Error::config("initial_loss_scale", s, "use a positive, finite scale such as 65536"));
+            }
+        }
+
         let layout = EnvLayout::from_env()?;
         let (rank, world, local_rank, local_world) = match layout {
             Some(l) => (l.rank, l.world_size, l.local_rank, l.local_world_size),
@@ -126,7 +138,10 @@ impl AcceleratorBuilder {
         }
         Ok(Accelerator {
             grad_state: Arc::new(GradientState::new(grad_accum.value)),
-            scaler: (precision.value == Precision::Fp16).then(LossScaler::default),
+            scaler: (precision.value == Precision::Fp16).then(|| LossScaler {
+                scale: self.initial_loss_scale.unwrap_or(LossScaler::default().scale),
+                ..LossScaler::default()
+            }),
             state,
             comm: Counted::new(comm),
             precision: precision.value,
