@@ -1,0 +1,79 @@
+//! The `ivme` command: start training programs on one or many processes.
+//!
+//! Each subcommand lives in its own module with a `main(&[String]) -> Result<i32>`; this file
+//! only picks one and turns its result into an exit status.
+
+mod args;
+mod launch;
+mod mpirun;
+mod plan;
+mod process;
+mod rank;
+
+use ivme::{Error, Result};
+use std::process::ExitCode;
+
+/// The visible subcommands with one line each, for `ivme --help`.
+const COMMANDS: &[(&str, &str)] = &[(
+    launch::COMMAND,
+    "start a program on one or more processes (through mpirun for more than one)",
+)];
+
+fn usage() -> String {
+    let width = COMMANDS.iter().map(|(n, _)| n.len()).max().unwrap_or(0);
+    let list: String = COMMANDS
+        .iter()
+        .map(|(n, h)| format!("  {n:width$}  {h}\n"))
+        .collect();
+    format!(
+        "ivme {}: Accelerate-style distributed training for candle\n\n\
+         Usage: ivme <COMMAND> [ARGS...]\n\nCommands:\n{list}\n\
+         Run `ivme <COMMAND> --help` for a command's flags.\n",
+        env!("CARGO_PKG_VERSION")
+    )
+}
+
+fn run(argv: &[String]) -> Result<i32> {
+    let Some((command, rest)) = argv.split_first() else {
+        eprint!("{}", usage());
+        return Ok(2);
+    };
+    match command.as_str() {
+        launch::COMMAND => launch::main(rest),
+        rank::COMMAND => rank::main(rest),
+        "-h" | "--help" | "help" => {
+            print!("{}", usage());
+            Ok(0)
+        }
+        "-V" | "--version" => {
+            println!("ivme {}", env!("CARGO_PKG_VERSION"));
+            Ok(0)
+        }
+        other => {
+            let hint = args::closest(other, COMMANDS.iter().map(|(n, _)| *n))
+                .map(|c| format!("did you mean `ivme {c}`? "))
+                .unwrap_or_default();
+            let names: Vec<&str> = COMMANDS.iter().map(|(n, _)| *n).collect();
+            Err(Error::Usage(format!(
+                "unknown command `{other}`; {hint}the commands are: {}; run `ivme --help`",
+                names.join(", ")
+            )))
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    // Lossy rather than a panic on non-UTF-8 arguments.
+    let argv: Vec<String> = std::env::args_os()
+        .skip(1)
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect();
+    match run(&argv) {
+        Ok(code) => ExitCode::from(process::exit_byte(code)),
+        Err(e) => {
+            eprintln!("ivme: error: {e}");
+            // Misuse gets the conventional usage-error status, other failures a plain 1.
+            ExitCode::from(if matches!(e, Error::Usage(_)) { 2 } else { 1 })
+        }
+    }
+}

@@ -1,0 +1,241 @@
+//! Finding `mpirun`, telling Open MPI from MPICH, and writing its command line.
+
+use crate::process;
+use ivme::{Error, Result};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// The environment variable that names an `mpirun` to use instead of the one on PATH.
+pub const MPIRUN_VAR: &str = "IVME_MPIRUN";
+
+/// Which MPI implementation an `mpirun` belongs to; their flags differ.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Flavor {
+    /// Open MPI (`mpirun (Open MPI) 4.1.4`).
+    OpenMpi,
+    /// MPICH's Hydra launcher, also used by Intel MPI and MVAPICH.
+    Mpich,
+    /// Something else: only the portable `-np` is passed.
+    Unknown,
+}
+
+impl Flavor {
+    /// Recognises the implementation from the output of `mpirun --version`.
+    pub fn from_version(text: &str) -> Flavor {
+        let lower = text.to_ascii_lowercase();
+        if lower.contains("open mpi") || lower.contains("openrte") {
+            Flavor::OpenMpi
+        } else if lower.contains("hydra")
+            || lower.contains("mpich")
+            || lower.contains("intel(r) mpi")
+        {
+            Flavor::Mpich
+        } else {
+            Flavor::Unknown
+        }
+    }
+
+    /// The implementation's name for messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            Flavor::OpenMpi => "Open MPI",
+            Flavor::Mpich => "MPICH",
+            Flavor::Unknown => "an unrecognised MPI",
+        }
+    }
+}
+
+/// An `mpirun` found on this machine.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Mpirun {
+    /// Its absolute path.
+    pub path: PathBuf,
+    /// Its implementation.
+    pub flavor: Flavor,
+}
+
+const INSTALL_HINT: &str = "install Open MPI (`apt-get install openmpi-bin libopenmpi-dev`, or \
+     `brew install open-mpi`), or run a single process with `--num_processes 1`";
+
+impl Mpirun {
+    /// Finds `mpirun` (or the one `IVME_MPIRUN` names) and asks it what it is.
+    pub fn find(get: impl Fn(&str) -> Option<String>) -> Result<Mpirun> {
+        let path = match get(MPIRUN_VAR).filter(|v| !v.is_empty()) {
+            Some(explicit) => process::find_executable(&explicit, get("PATH").as_deref())
+                .map_err(|e| Error::Setup(format!("{MPIRUN_VAR}={explicit:?}: {e}")))?,
+            None => process::find_executable("mpirun", get("PATH").as_deref()).map_err(|_| {
+                Error::Setup(format!(
+                    "more than one process needs `mpirun`, which is not on PATH; {INSTALL_HINT}"
+                ))
+            })?,
+        };
+        let out = Command::new(&path).arg("--version").output().map_err(|e| {
+            Error::Setup(format!(
+                "cannot run `{} --version`: {e}; {INSTALL_HINT}",
+                path.display()
+            ))
+        })?;
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok(Mpirun {
+            path,
+            flavor: Flavor::from_version(&text),
+        })
+    }
+}
+
+/// What the mpirun command line depends on besides the plan itself.
+#[derive(Debug, Clone)]
+pub struct MpiJob<'a> {
+    /// Number of ranks.
+    pub num_processes: usize,
+    /// Host list for multi-machine runs.
+    pub hostfile: Option<&'a Path>,
+    /// Whether the launcher runs as root (Open MPI refuses unless told).
+    pub as_root: bool,
+    /// Whether this machine runs more ranks than it has slots.
+    pub oversubscribe: bool,
+    /// The variables every rank must see, with their values.
+    pub env: &'a [(String, String)],
+    /// The command each rank runs.
+    pub rank_command: &'a [String],
+}
+
+/// Writes the full `mpirun` command line for `job`.
+pub fn command_line(mpirun: &Mpirun, job: &MpiJob<'_>) -> Vec<String> {
+    let mut argv = vec![mpirun.path.display().to_string()];
+    let mut push = |words: &[&str]| argv.extend(words.iter().map(|w| w.to_string()));
+    let np = job.num_processes.to_string();
+    match mpirun.flavor {
+        Flavor::OpenMpi => {
+            if job.as_root {
+                push(&["--allow-run-as-root"]);
+            }
+            if job.oversubscribe {
+                push(&["--oversubscribe"]);
+            }
+            // Rayon already splits the cores between ranks; pinning would stack them.
+            push(&["--bind-to", "none"]);
+            if let Some(h) = job.hostfile {
+                push(&["--hostfile", &h.display().to_string()]);
+            }
+            push(&["-np", &np]);
+            // Open MPI exports to remote hosts only the variables named with -x.
+            for (k, _) in job.env {
+                push(&["-x", k]);
+            }
+        }
+        Flavor::Mpich => {
+            push(&["-bind-to", "none"]);
+            if let Some(h) = job.hostfile {
+                push(&["-f", &h.display().to_string()]);
+            }
+            push(&["-np", &np]);
+            // -genv sets a value without switching Hydra away from passing the whole environment.
+            for (k, v) in job.env {
+                push(&["-genv", k, v]);
+            }
+        }
+        Flavor::Unknown => {
+            if let Some(h) = job.hostfile {
+                push(&["-hostfile", &h.display().to_string()]);
+            }
+            push(&["-np", &np]);
+        }
+    }
+    argv.extend(job.rank_command.iter().cloned());
+    argv
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn job<'a>(env: &'a [(String, String)], cmd: &'a [String]) -> MpiJob<'a> {
+        MpiJob {
+            num_processes: 4,
+            hostfile: None,
+            as_root: true,
+            oversubscribe: true,
+            env,
+            rank_command: cmd,
+        }
+    }
+
+    fn mpirun(flavor: Flavor) -> Mpirun {
+        Mpirun {
+            path: PathBuf::from("/usr/bin/mpirun"),
+            flavor,
+        }
+    }
+
+    #[test]
+    fn flavors_are_told_apart_by_their_version_text() {
+        assert_eq!(
+            Flavor::from_version(
+                "mpirun (Open MPI) 4.1.4\n\nReport bugs to http://www.open-mpi.org"
+            ),
+            Flavor::OpenMpi
+        );
+        assert_eq!(
+            Flavor::from_version("HYDRA build details:\n    Version: 4.0.2"),
+            Flavor::Mpich
+        );
+        assert_eq!(
+            Flavor::from_version("Intel(R) MPI Library for Linux"),
+            Flavor::Mpich
+        );
+        assert_eq!(Flavor::from_version("srun 23.02"), Flavor::Unknown);
+    }
+
+    #[test]
+    fn open_mpi_gets_its_own_flags_and_forwards_each_variable() {
+        let env = vec![("IVME_CPU".to_string(), "1".to_string())];
+        let cmd = vec!["ivme".to_string(), "__rank".to_string()];
+        let argv = command_line(&mpirun(Flavor::OpenMpi), &job(&env, &cmd));
+        assert_eq!(
+            argv.join(" "),
+            "/usr/bin/mpirun --allow-run-as-root --oversubscribe --bind-to none -np 4 \
+             -x IVME_CPU ivme __rank"
+        );
+        let mut j = job(&env, &cmd);
+        j.as_root = false;
+        j.oversubscribe = false;
+        j.hostfile = Some(Path::new("/etc/hosts.mpi"));
+        let line = command_line(&mpirun(Flavor::OpenMpi), &j).join(" ");
+        assert!(
+            !line.contains("root") && !line.contains("oversubscribe"),
+            "{line}"
+        );
+        assert!(line.contains("--hostfile /etc/hosts.mpi -np 4"), "{line}");
+    }
+
+    #[test]
+    fn mpich_never_sees_open_mpi_flags() {
+        let env = vec![("IVME_CPU".to_string(), "1".to_string())];
+        let cmd = vec!["prog".to_string()];
+        let mut j = job(&env, &cmd);
+        j.hostfile = Some(Path::new("hosts"));
+        let line = command_line(&mpirun(Flavor::Mpich), &j).join(" ");
+        assert_eq!(
+            line,
+            "/usr/bin/mpirun -bind-to none -f hosts -np 4 -genv IVME_CPU 1 prog"
+        );
+        let line = command_line(&mpirun(Flavor::Unknown), &job(&env, &cmd)).join(" ");
+        assert_eq!(line, "/usr/bin/mpirun -np 4 prog");
+    }
+
+    #[test]
+    fn a_missing_mpirun_says_how_to_install_open_mpi() {
+        let msg = Mpirun::find(|k| (k == "PATH").then(|| "/nonexistent-ivme".to_string()))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.contains("apt-get install openmpi-bin libopenmpi-dev"),
+            "{msg}"
+        );
+    }
+}

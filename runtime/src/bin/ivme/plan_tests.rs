@@ -1,0 +1,317 @@
+//! Flags → plan → command line and environment, checked without starting anything.
+
+use super::*;
+use crate::mpirun::Flavor;
+
+fn words(w: &[&str]) -> Vec<String> {
+    w.iter().map(|s| s.to_string()).collect()
+}
+
+fn parse(w: &[&str]) -> LaunchArgs {
+    match LaunchArgs::parse(&words(w)).unwrap() {
+        Parsed::Launch(a) => a,
+        Parsed::Help => panic!("unexpected help for {w:?}"),
+    }
+}
+
+fn plan(w: &[&str]) -> LaunchPlan {
+    LaunchPlan::resolve(parse(w), std::env::var("PATH").ok().as_deref()).unwrap()
+}
+
+fn get<'a>(env: &'a [(String, String)], key: &str) -> Option<&'a str> {
+    env.iter().find(|(k, _)| k == key).map(|(_, v)| v.as_str())
+}
+
+fn ctx(machine: Machine, flavor: Flavor) -> Context {
+    Context {
+        machine,
+        inherited: vec![],
+        mpirun: Some(Mpirun {
+            path: "/usr/bin/mpirun".into(),
+            flavor,
+        }),
+        ivme_exe: "/opt/ivme".into(),
+        status_dir: "/tmp/st".into(),
+    }
+}
+
+const TWO_CORES_ROOT: Machine = Machine {
+    cores: 2,
+    slots: 2,
+    root: true,
+};
+
+#[test]
+fn every_flag_is_read_in_either_spelling() {
+    let a = parse(&[
+        "--num-processes=3",
+        "--cpu",
+        "--mixed_precision",
+        "bf16",
+        "--gradient-accumulation-steps",
+        "4",
+        "--dry_run",
+        "train",
+        "--lr",
+        "0.1",
+    ]);
+    assert_eq!(
+        a,
+        LaunchArgs {
+            num_processes: Some(3),
+            cpu: Some(true),
+            hostfile: None,
+            mixed_precision: Some(Precision::Bf16),
+            gradient_accumulation_steps: Some(4),
+            dry_run: true,
+            program: Some("train".into()),
+            program_args: words(&["--lr", "0.1"]),
+        }
+    );
+    assert_eq!(
+        LaunchArgs::parse(&words(&["--help"])).unwrap(),
+        Parsed::Help
+    );
+}
+
+#[test]
+fn bad_values_name_the_flag_and_the_fix() {
+    let msg = |w: &[&str]| LaunchArgs::parse(&words(w)).unwrap_err().to_string();
+    let m = msg(&["--num_processes", "0", "prog"]);
+    assert!(
+        m.contains("--num_processes 0") && m.contains("at least 1"),
+        "{m}"
+    );
+    let m = msg(&["--mixed_precision", "fp8", "prog"]);
+    assert!(m.contains("use one of no, fp16, bf16"), "{m}");
+    let m = msg(&["--gradient_accumulation_steps", "0", "prog"]);
+    assert!(m.contains("at least 1"), "{m}");
+}
+
+#[test]
+fn a_plan_needs_a_program_that_exists() {
+    let m = LaunchPlan::resolve(parse(&["--cpu"]), None)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        m.contains("missing the program") && m.contains("ivme launch"),
+        "{m}"
+    );
+    let m = LaunchPlan::resolve(parse(&["./no-such-prog"]), None)
+        .unwrap_err()
+        .to_string();
+    assert!(m.contains("does not exist"), "{m}");
+    let m = LaunchPlan::resolve(parse(&["--hostfile", "/no/such/hosts", "sh"]), None)
+        .unwrap_err()
+        .to_string();
+    assert!(m.contains("cannot read the hostfile /no/such/hosts"), "{m}");
+}
+
+#[test]
+fn defaults_run_one_process_directly() {
+    let p = plan(&["sh", "-c", "true"]);
+    assert_eq!(p.num_processes, 1);
+    assert!(!p.cpu && !p.dry_run && p.precision.is_none() && p.grad_accum.is_none());
+    assert!(p.program.is_absolute() && p.program.ends_with("sh"));
+    assert!(!p.uses_mpi());
+    let inv = p.invocation(&ctx(TWO_CORES_ROOT, Flavor::OpenMpi)).unwrap();
+    assert_eq!(
+        inv.argv,
+        vec![p.program.display().to_string(), "-c".into(), "true".into()]
+    );
+    assert_eq!(inv.status_dir, None);
+}
+
+#[test]
+fn hostfiles_count_distinct_machines() {
+    let path = std::env::temp_dir().join(format!("ivme-hosts-{}", std::process::id()));
+    std::fs::write(
+        &path,
+        "# cluster\nnode1 slots=2\n\nnode2 slots=2 # second\nnode1\n",
+    )
+    .unwrap();
+    let p = plan(&[
+        "--hostfile",
+        path.to_str().unwrap(),
+        "--num_processes",
+        "5",
+        "sh",
+    ]);
+    std::fs::write(&path, "# nothing\n\n").unwrap();
+    let empty = Hostfile::read(&path).unwrap_err().to_string();
+    std::fs::remove_file(&path).unwrap();
+    assert_eq!(p.hostfile.as_ref().unwrap().hosts, 2);
+    assert!(p.uses_mpi());
+    // 5 ranks over 2 machines: the fuller machine holds 3.
+    assert_eq!(p.processes_per_machine(), 3);
+    assert!(empty.contains("names no machines"), "{empty}");
+}
+
+#[test]
+fn environment_carries_the_settings_given() {
+    let p = plan(&[
+        "--num_processes",
+        "3",
+        "--cpu",
+        "--mixed_precision",
+        "fp16",
+        "sh",
+    ]);
+    let machine = Machine {
+        cores: 8,
+        slots: 4,
+        root: false,
+    };
+    let env = p.env(&machine, &[]);
+    assert_eq!(get(&env, "IVME_NUM_PROCESSES"), Some("3"));
+    assert_eq!(get(&env, "IVME_CPU"), Some("1"));
+    assert_eq!(get(&env, "IVME_PRECISION"), Some("fp16"));
+    assert_eq!(get(&env, "IVME_LAUNCHER"), Some("ivme"));
+    assert_eq!(get(&env, "IVME_GRAD_ACCUM"), None);
+    // 8 cores shared by 3 ranks: 2 threads each, never more than the cores.
+    assert_eq!(get(&env, "RAYON_NUM_THREADS"), Some("2"));
+
+    let p = plan(&["--gradient_accumulation_steps", "4", "sh"]);
+    let env = p.env(&machine, &[]);
+    assert_eq!(get(&env, "IVME_GRAD_ACCUM"), Some("4"));
+    assert_eq!(get(&env, "IVME_CPU"), None);
+    assert_eq!(get(&env, "IVME_PRECISION"), None);
+    assert_eq!(get(&env, "RAYON_NUM_THREADS"), Some("8"));
+}
+
+#[test]
+fn more_ranks_than_cores_still_get_one_thread() {
+    let p = plan(&["--num_processes", "5", "sh"]);
+    let env = p.env(&TWO_CORES_ROOT, &[]);
+    assert_eq!(get(&env, "RAYON_NUM_THREADS"), Some("1"));
+}
+
+#[test]
+fn the_users_own_variables_are_kept_and_flags_win() {
+    let p = plan(&["--num_processes", "2", "--mixed_precision", "bf16", "sh"]);
+    let inherited = vec![
+        ("RAYON_NUM_THREADS".to_string(), "7".to_string()),
+        ("IVME_PRECISION".to_string(), "fp16".to_string()),
+        ("IVME_LOG".to_string(), "debug".to_string()),
+        ("IVME_MPIRUN".to_string(), "/opt/mpirun".to_string()),
+        ("HOME".to_string(), "/root".to_string()),
+    ];
+    let env = p.env(&TWO_CORES_ROOT, &inherited);
+    assert_eq!(get(&env, "RAYON_NUM_THREADS"), Some("7"));
+    assert_eq!(get(&env, "IVME_PRECISION"), Some("bf16"));
+    assert_eq!(get(&env, "IVME_LOG"), Some("debug"));
+    assert_eq!(get(&env, "IVME_MPIRUN"), None);
+    assert_eq!(get(&env, "HOME"), None);
+    let keys: Vec<&str> = env.iter().map(|(k, _)| k.as_str()).collect();
+    let mut unique = keys.clone();
+    unique.sort();
+    unique.dedup();
+    assert_eq!(unique.len(), keys.len(), "{keys:?}");
+}
+
+#[test]
+fn open_mpi_ranks_run_under_the_wrapper_with_every_variable_forwarded() {
+    let p = plan(&["--num_processes", "4", "--cpu", "sh", "-c", "echo hi"]);
+    let inv = p.invocation(&ctx(TWO_CORES_ROOT, Flavor::OpenMpi)).unwrap();
+    let sh = p.program.display().to_string();
+    let expect = [
+        "/usr/bin/mpirun",
+        "--allow-run-as-root",
+        "--oversubscribe",
+        "--bind-to",
+        "none",
+        "-np",
+        "4",
+        "-x",
+        "IVME_LAUNCHER",
+        "-x",
+        "IVME_NUM_PROCESSES",
+        "-x",
+        "IVME_CPU",
+        "-x",
+        "RAYON_NUM_THREADS",
+        "/opt/ivme",
+        "__rank",
+        "--status-dir",
+        "/tmp/st",
+        "--",
+        &sh,
+        "-c",
+        "echo hi",
+    ];
+    assert_eq!(inv.argv, expect);
+    assert_eq!(inv.status_dir, Some(PathBuf::from("/tmp/st")));
+}
+
+#[test]
+fn oversubscribe_and_root_flags_only_when_needed() {
+    let p = plan(&["--num_processes", "2", "sh"]);
+    let machine = Machine {
+        cores: 4,
+        slots: 2,
+        root: false,
+    };
+    let line = p
+        .invocation(&ctx(machine, Flavor::OpenMpi))
+        .unwrap()
+        .argv
+        .join(" ");
+    assert!(
+        !line.contains("--oversubscribe") && !line.contains("root"),
+        "{line}"
+    );
+    let p = plan(&["--num_processes", "3", "sh"]);
+    let machine = Machine {
+        cores: 4,
+        slots: 2,
+        root: false,
+    };
+    let line = p
+        .invocation(&ctx(machine, Flavor::OpenMpi))
+        .unwrap()
+        .argv
+        .join(" ");
+    assert!(line.contains("--oversubscribe"), "{line}");
+}
+
+#[test]
+fn mpich_gets_values_instead_of_open_mpi_flags() {
+    let p = plan(&["--num_processes", "4", "sh"]);
+    let line = p
+        .invocation(&ctx(TWO_CORES_ROOT, Flavor::Mpich))
+        .unwrap()
+        .argv
+        .join(" ");
+    assert!(line.contains("-genv IVME_NUM_PROCESSES 4"), "{line}");
+    assert!(
+        !line.contains("--allow-run-as-root") && !line.contains("-x "),
+        "{line}"
+    );
+}
+
+#[test]
+fn dry_run_report_shows_the_variables_and_one_quoted_command_line() {
+    let p = plan(&[
+        "--num_processes",
+        "2",
+        "--dry_run",
+        "sh",
+        "-c",
+        "echo 'a b'",
+    ]);
+    let inv = p.invocation(&ctx(TWO_CORES_ROOT, Flavor::OpenMpi)).unwrap();
+    let text = inv.describe(p.num_processes);
+    let lines: Vec<&str> = text.lines().collect();
+    assert!(
+        lines[0].contains("2 processes through Open MPI; nothing was started"),
+        "{text}"
+    );
+    assert!(lines.contains(&"IVME_NUM_PROCESSES=2"), "{text}");
+    assert!(lines.contains(&"RAYON_NUM_THREADS=1"), "{text}");
+    let command = lines.last().unwrap();
+    assert!(
+        command.starts_with("/usr/bin/mpirun --allow-run-as-root"),
+        "{text}"
+    );
+    assert!(command.ends_with(r#"-c 'echo '\''a b'\'''"#), "{text}");
+}

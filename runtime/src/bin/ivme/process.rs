@@ -1,0 +1,304 @@
+//! Operating-system helpers for starting and supervising child processes.
+
+use ivme::{Error, Result};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus};
+use std::sync::atomic::{AtomicI32, Ordering};
+
+/// How a child ended, as a shell would report it: its exit code, or 128 + the signal that
+/// killed it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Outcome {
+    /// The shell-style code: 0 for success.
+    pub code: i32,
+    /// The signal that killed the child, if one did.
+    pub signal: Option<i32>,
+}
+
+impl Outcome {
+    /// Reads an [`ExitStatus`].
+    pub fn of(status: ExitStatus) -> Outcome {
+        #[cfg(unix)]
+        {
+            use std::os::unix::process::ExitStatusExt;
+            if let Some(sig) = status.signal() {
+                return Outcome {
+                    code: 128 + sig,
+                    signal: Some(sig),
+                };
+            }
+        }
+        Outcome {
+            code: status.code().unwrap_or(1),
+            signal: None,
+        }
+    }
+
+    /// A phrase for messages: "exit code 3" or "exit code 137 (killed by signal 9)".
+    pub fn describe(&self) -> String {
+        match self.signal {
+            Some(sig) => format!("exit code {} (killed by signal {sig})", self.code),
+            None => format!("exit code {}", self.code),
+        }
+    }
+}
+
+/// Turns a shell-style code into a process exit status that stays non-zero for any failure.
+pub fn exit_byte(code: i32) -> u8 {
+    match code {
+        0 => 0,
+        c if (1..=255).contains(&c) => c as u8,
+        _ => 1,
+    }
+}
+
+/// Whether this process runs with root's effective user id (Open MPI refuses root unless told).
+pub fn is_root() -> bool {
+    #[cfg(unix)]
+    {
+        // SAFETY: geteuid has no preconditions and cannot fail.
+        unsafe { libc::geteuid() == 0 }
+    }
+    #[cfg(not(unix))]
+    {
+        false
+    }
+}
+
+/// The number of CPUs this process may run on (affinity and cgroup limits included).
+pub fn cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// The number of physical cores, which Open MPI counts as slots; `None` when unknown.
+pub fn physical_cores() -> Option<usize> {
+    let info = std::fs::read_to_string("/proc/cpuinfo").ok()?;
+    let mut cores = std::collections::BTreeSet::new();
+    let mut package = String::new();
+    for line in info.lines() {
+        let Some((key, value)) = line.split_once(':') else {
+            continue;
+        };
+        match key.trim() {
+            "physical id" => package = value.trim().to_string(),
+            "core id" => {
+                cores.insert((package.clone(), value.trim().to_string()));
+            }
+            _ => {}
+        }
+    }
+    (!cores.is_empty()).then_some(cores.len())
+}
+
+/// Finds an executable: a name with a `/` is a path (relative to the working directory), any
+/// other name is looked up on `path_var` like a shell does. Returns an absolute path.
+pub fn find_executable(name: &str, path_var: Option<&str>) -> Result<PathBuf> {
+    if name.contains('/') {
+        let path = Path::new(name);
+        let abs = if path.is_absolute() {
+            path.to_path_buf()
+        } else {
+            std::env::current_dir()
+                .map_err(|e| Error::io("reading the working directory", e))?
+                .join(path)
+        };
+        return check_executable(name, &abs).map(|()| abs);
+    }
+    let dirs = path_var.unwrap_or_default();
+    let found = std::env::split_paths(dirs)
+        .map(|d| d.join(name))
+        .find(|p| check_executable(name, p).is_ok());
+    found.ok_or_else(|| {
+        let hint = if name.ends_with(".rs") {
+            " (ivme launches a built program: run `cargo build --release` and pass \
+             `./target/release/<name>`)"
+        } else {
+            ""
+        };
+        Error::Usage(format!(
+            "program `{name}` not found on PATH{hint}; give its path instead, e.g. `./{name}` or \
+             `./target/release/{name}`"
+        ))
+    })
+}
+
+fn check_executable(name: &str, path: &Path) -> Result<()> {
+    let meta = std::fs::metadata(path).map_err(|_| {
+        Error::Usage(format!(
+            "program `{name}` does not exist ({}); check the path, or build it first with \
+             `cargo build`",
+            path.display()
+        ))
+    })?;
+    if meta.is_dir() {
+        return Err(Error::Usage(format!(
+            "`{name}` is a folder, not a program; give the path of the executable inside it"
+        )));
+    }
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        if meta.permissions().mode() & 0o111 == 0 {
+            return Err(Error::Usage(format!(
+                "`{name}` is not executable; make it so with `chmod +x {name}`, or launch the \
+                 built binary instead"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Quotes one word for a POSIX shell, leaving plain words bare.
+pub fn shell_quote(word: &str) -> String {
+    let plain = !word.is_empty()
+        && word
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_./=:,+@%".contains(c));
+    if plain {
+        word.to_string()
+    } else {
+        format!("'{}'", word.replace('\'', r"'\''"))
+    }
+}
+
+/// Joins words into one shell command line.
+pub fn shell_join<S: AsRef<str>>(words: &[S]) -> String {
+    words
+        .iter()
+        .map(|w| shell_quote(w.as_ref()))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// Makes `cmd`'s child receive SIGTERM when this process dies, so a killed launcher or rank
+/// wrapper never leaves orphaned ranks behind.
+pub fn die_with_parent(cmd: &mut Command) {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::unix::process::CommandExt;
+        // SAFETY: getpid is async-signal-safe; the pre_exec closure only makes raw syscalls.
+        let parent = unsafe { libc::getpid() };
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                // The parent may have died before prctl took effect.
+                if libc::getppid() != parent {
+                    libc::_exit(143);
+                }
+                Ok(())
+            });
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = cmd;
+}
+
+static CHILD: AtomicI32 = AtomicI32::new(0);
+static STOPPED_BY: AtomicI32 = AtomicI32::new(0);
+
+/// The signal (SIGINT or SIGTERM) that asked this process to stop while it supervised a child.
+pub fn stopped_by() -> Option<i32> {
+    Some(STOPPED_BY.load(Ordering::SeqCst)).filter(|&s| s != 0)
+}
+
+#[cfg(unix)]
+extern "C" fn on_signal(sig: libc::c_int) {
+    STOPPED_BY.store(sig, Ordering::SeqCst);
+    // SIGINT from the terminal already reaches the child through the process group, so only
+    // SIGTERM, which is aimed at this process alone, is passed on.
+    let child = CHILD.load(Ordering::SeqCst);
+    if sig == libc::SIGTERM && child > 0 {
+        // SAFETY: kill is async-signal-safe.
+        unsafe {
+            libc::kill(child, libc::SIGTERM);
+        }
+    }
+}
+
+/// Starts `cmd` and waits for it while this process stays alive through Ctrl-C and passes
+/// SIGTERM on, so the caller can still report the outcome and clean up.
+pub fn supervise(cmd: &mut Command) -> std::io::Result<Outcome> {
+    die_with_parent(cmd);
+    let mut child: Child = cmd.spawn()?;
+    #[cfg(unix)]
+    {
+        CHILD.store(child.id() as i32, Ordering::SeqCst);
+        // Handlers (unlike ignored signals) reset to the default in the exec'd child.
+        // SAFETY: the handler only touches atomics and calls kill.
+        unsafe {
+            let handler = on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t;
+            for sig in [libc::SIGINT, libc::SIGTERM] {
+                // A signal the caller chose to ignore (nohup, a background job) stays ignored.
+                if libc::signal(sig, handler) == libc::SIG_IGN {
+                    libc::signal(sig, libc::SIG_IGN);
+                }
+            }
+        }
+    }
+    let status = child.wait();
+    CHILD.store(0, Ordering::SeqCst);
+    status.map(Outcome::of)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quoting_round_trips_through_sh() {
+        let words = ["plain", "two words", "it's", "", "$HOME", "a\"b"];
+        let line = format!("printf '%s\\n' {}", shell_join(&words));
+        let out = Command::new("sh").arg("-c").arg(&line).output().unwrap();
+        let expect: String = words.iter().map(|w| format!("{w}\n")).collect();
+        assert_eq!(String::from_utf8(out.stdout).unwrap(), expect);
+    }
+
+    #[test]
+    fn outcomes_follow_the_shell_convention() {
+        let status = Command::new("sh").args(["-c", "exit 3"]).status().unwrap();
+        assert_eq!(
+            Outcome::of(status),
+            Outcome {
+                code: 3,
+                signal: None
+            }
+        );
+        let status = Command::new("sh")
+            .args(["-c", "kill -9 $$"])
+            .status()
+            .unwrap();
+        let o = Outcome::of(status);
+        assert_eq!((o.code, o.signal), (137, Some(9)));
+        assert!(o.describe().contains("signal 9"));
+        assert_eq!(exit_byte(0), 0);
+        assert_eq!(exit_byte(3), 3);
+        assert_eq!(exit_byte(256), 1);
+        assert_eq!(exit_byte(-1), 1);
+    }
+
+    #[test]
+    fn executables_are_found_on_path_or_by_path() {
+        let path = std::env::var("PATH").ok();
+        let sh = find_executable("sh", path.as_deref()).unwrap();
+        assert!(sh.is_absolute() && sh.ends_with("sh"));
+        let msg = find_executable("no-such-program-ivme", path.as_deref())
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains("not found on PATH"), "{msg}");
+        let msg = find_executable("./no/such/file", None)
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains("does not exist"), "{msg}");
+        let msg = find_executable("/", None).unwrap_err().to_string();
+        assert!(msg.contains("is a folder"), "{msg}");
+        let plain = std::env::temp_dir().join(format!("ivme-noexec-{}", std::process::id()));
+        std::fs::write(&plain, "data").unwrap();
+        let msg = find_executable(plain.to_str().unwrap(), None)
+            .unwrap_err()
+            .to_string();
+        std::fs::remove_file(&plain).unwrap();
+        assert!(msg.contains("chmod +x"), "{msg}");
+    }
+}

@@ -1,0 +1,245 @@
+//! `ivme __rank`: the thin wrapper every rank runs under when mpirun starts the program.
+//!
+//! mpirun reports only that *some* process failed; the wrapper records which rank failed, with
+//! what code and when, in a status folder the launcher reads after mpirun ends.
+
+use crate::process::{self, Outcome};
+use ivme::state::EnvLayout;
+use ivme::{Error, Result};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+/// The hidden subcommand's name.
+pub const COMMAND: &str = "__rank";
+
+/// The flag that names the status folder.
+pub const STATUS_DIR_FLAG: &str = "--status-dir";
+
+/// The code recorded when the program could not be started at all (the shell's convention).
+const CANNOT_START: i32 = 127;
+
+/// One rank's failure as recorded in the status folder.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Failure {
+    /// The global rank that failed.
+    pub rank: usize,
+    /// Its shell-style exit code.
+    pub code: i32,
+    /// When it failed, in nanoseconds since the Unix epoch, to tell which rank failed first.
+    pub at_nanos: u128,
+}
+
+impl Failure {
+    fn file_name(rank: usize) -> String {
+        format!("rank-{rank}")
+    }
+
+    /// Writes this failure into `dir`, creating the folder if needed.
+    pub fn record(&self, dir: &Path) -> std::io::Result<()> {
+        std::fs::create_dir_all(dir)?;
+        let text = format!("{} {}\n", self.code, self.at_nanos);
+        std::fs::write(dir.join(Self::file_name(self.rank)), text)
+    }
+
+    /// Reads every failure recorded in `dir`, earliest first; a missing folder means none.
+    pub fn read_all(dir: &Path) -> Result<Vec<Failure>> {
+        let entries = match std::fs::read_dir(dir) {
+            Ok(entries) => entries,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(Error::io(format!("reading {}", dir.display()), e)),
+        };
+        let mut failures = Vec::new();
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let Some(rank) = name.strip_prefix("rank-").and_then(|r| r.parse().ok()) else {
+                continue;
+            };
+            let text = std::fs::read_to_string(entry.path()).unwrap_or_default();
+            let mut words = text.split_whitespace();
+            let code = words.next().and_then(|w| w.parse().ok()).unwrap_or(1);
+            let at_nanos = words
+                .next()
+                .and_then(|w| w.parse().ok())
+                .unwrap_or(u128::MAX);
+            failures.push(Failure {
+                rank,
+                code,
+                at_nanos,
+            });
+        }
+        failures.sort_by_key(|f| (f.at_nanos, f.rank));
+        Ok(failures)
+    }
+}
+
+/// Says which rank failed first (and which others failed) and picks the launcher's exit code.
+pub fn summarize(failures: &[Failure]) -> Option<(String, i32)> {
+    let first = failures.first()?;
+    let mut msg = format!(
+        "ivme: rank {} failed first, with exit code {}",
+        first.rank, first.code
+    );
+    if failures.len() > 1 {
+        let others: Vec<String> = failures[1..]
+            .iter()
+            .map(|f| format!("rank {} (exit code {})", f.rank, f.code))
+            .collect();
+        msg.push_str(&format!("; after it: {}", others.join(", ")));
+    }
+    msg.push_str("; its own messages are above");
+    Some((msg, first.code))
+}
+
+/// The argument list that runs `program` under the wrapper (after the ivme executable).
+pub fn wrapper_args(status_dir: &Path, program: &Path, args: &[String]) -> Vec<String> {
+    let mut out = vec![
+        COMMAND.to_string(),
+        STATUS_DIR_FLAG.to_string(),
+        status_dir.display().to_string(),
+        "--".to_string(),
+        program.display().to_string(),
+    ];
+    out.extend(args.iter().cloned());
+    out
+}
+
+/// Parses `--status-dir DIR -- program args...`.
+fn parse(args: &[String]) -> Result<(PathBuf, String, Vec<String>)> {
+    let usage = || {
+        Error::Usage(format!(
+            "`ivme {COMMAND}` is started by `ivme launch`; run your program with \
+             `ivme launch [flags] PROGRAM [ARGS...]` instead"
+        ))
+    };
+    match args {
+        [flag, dir, sep, program, rest @ ..] if flag == STATUS_DIR_FLAG && sep == "--" => {
+            Ok((PathBuf::from(dir), program.clone(), rest.to_vec()))
+        }
+        _ => Err(usage()),
+    }
+}
+
+/// This process's global rank from the MPI launcher's variables; a lone process is rank 0.
+fn own_rank() -> usize {
+    EnvLayout::from_env().ok().flatten().map_or(0, |l| l.rank)
+}
+
+/// Runs the wrapped program and returns the code this wrapper should exit with.
+pub fn main(args: &[String]) -> Result<i32> {
+    let (status_dir, program, program_args) = parse(args)?;
+    let rank = own_rank();
+    let mut cmd = Command::new(&program);
+    cmd.args(&program_args);
+    let outcome = match process::supervise(&mut cmd) {
+        Ok(outcome) => outcome,
+        Err(e) => {
+            eprintln!("ivme: rank {rank} could not start `{program}`: {e}");
+            Outcome {
+                code: CANNOT_START,
+                signal: None,
+            }
+        }
+    };
+    // A rank mpirun told to stop (because another failed, or on Ctrl-C) did not fail itself.
+    if outcome.code != 0 && process::stopped_by().is_none() {
+        eprintln!("ivme: rank {rank} failed with {}", outcome.describe());
+        let at_nanos = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        let failure = Failure {
+            rank,
+            code: outcome.code,
+            at_nanos,
+        };
+        if let Err(e) = failure.record(&status_dir) {
+            eprintln!(
+                "ivme: rank {rank} could not record its failure in {}: {e}",
+                status_dir.display()
+            );
+        }
+    }
+    Ok(outcome.code)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn temp_dir(tag: &str) -> PathBuf {
+        std::env::temp_dir().join(format!("ivme-rank-test-{tag}-{}", std::process::id()))
+    }
+
+    #[test]
+    fn failures_are_read_back_earliest_first() {
+        let dir = temp_dir("order");
+        let _ = std::fs::remove_dir_all(&dir);
+        Failure {
+            rank: 2,
+            code: 143,
+            at_nanos: 500,
+        }
+        .record(&dir)
+        .unwrap();
+        Failure {
+            rank: 1,
+            code: 3,
+            at_nanos: 100,
+        }
+        .record(&dir)
+        .unwrap();
+        std::fs::write(dir.join("unrelated"), "x").unwrap();
+        let got = Failure::read_all(&dir).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(
+            got.iter().map(|f| (f.rank, f.code)).collect::<Vec<_>>(),
+            [(1, 3), (2, 143)]
+        );
+        let (msg, code) = summarize(&got).unwrap();
+        assert_eq!(code, 3);
+        assert!(
+            msg.contains("rank 1 failed first, with exit code 3"),
+            "{msg}"
+        );
+        assert!(msg.contains("rank 2 (exit code 143)"), "{msg}");
+    }
+
+    #[test]
+    fn no_folder_and_no_failures_mean_success() {
+        assert!(Failure::read_all(&temp_dir("missing")).unwrap().is_empty());
+        assert!(summarize(&[]).is_none());
+    }
+
+    #[test]
+    fn wrapper_arguments_parse_back() {
+        let args = wrapper_args(Path::new("/tmp/s"), Path::new("/bin/prog"), &["--x".into()]);
+        assert_eq!(args[0], COMMAND);
+        let (dir, prog, rest) = parse(&args[1..]).unwrap();
+        assert_eq!(dir, PathBuf::from("/tmp/s"));
+        assert_eq!(prog, "/bin/prog");
+        assert_eq!(rest, vec!["--x".to_string()]);
+        assert!(parse(&["prog".to_string()]).is_err());
+    }
+
+    #[test]
+    fn a_failing_program_is_recorded_with_its_code() {
+        let dir = temp_dir("run");
+        let _ = std::fs::remove_dir_all(&dir);
+        let args: Vec<String> = [
+            STATUS_DIR_FLAG,
+            dir.to_str().unwrap(),
+            "--",
+            "sh",
+            "-c",
+            "exit 5",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        assert_eq!(main(&args).unwrap(), 5);
+        let got = Failure::read_all(&dir).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(got.len(), 1);
+        assert_eq!(got[0].code, 5);
+    }
+}

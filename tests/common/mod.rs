@@ -1,0 +1,72 @@
+//! Helpers shared by the multi-process integration tests: where the built binaries are, and how
+//! to start a program on several processes through `ivme launch`.
+//!
+//! These tests run real binaries that `cargo test` does not build for this package: run
+//! `cargo build --workspace --bins --examples` first.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+/// The build folder the running test binary lives in (`target/debug` for `target/debug/deps/x`).
+#[allow(dead_code)]
+pub fn target_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("the test binary knows its own path");
+    let deps = exe.parent().expect("the test binary lives in a folder");
+    // Integration tests live in target/<profile>/deps; step out of `deps`.
+    if deps.file_name().is_some_and(|n| n == "deps") {
+        deps.parent().expect("deps has a parent").to_path_buf()
+    } else {
+        deps.to_path_buf()
+    }
+}
+
+fn built(path: PathBuf, what: &str) -> PathBuf {
+    assert!(
+        path.is_file(),
+        "{what} is not built at {}: run `cargo build --workspace --bins --examples` first",
+        path.display()
+    );
+    path
+}
+
+/// The `ivme` command-line binary.
+#[allow(dead_code)]
+pub fn ivme_bin() -> PathBuf {
+    built(
+        target_dir().join(format!("ivme{}", std::env::consts::EXE_SUFFIX)),
+        "the `ivme` binary",
+    )
+}
+
+/// A built example program, `target/<profile>/examples/<name>`.
+#[allow(dead_code)]
+pub fn example_bin(name: &str) -> PathBuf {
+    let file = format!("{name}{}", std::env::consts::EXE_SUFFIX);
+    built(
+        target_dir().join("examples").join(file),
+        &format!("the example `{name}`"),
+    )
+}
+
+/// Runs `ivme launch --num_processes n --cpu program args...` with extra environment variables
+/// and returns what it printed and how it ended.
+#[allow(dead_code)]
+pub fn launch(n: usize, program: &Path, args: &[&str], envs: &[(&str, &str)]) -> Output {
+    let n = n.to_string();
+    let mut cmd = Command::new(ivme_bin());
+    cmd.args(["launch", "--num_processes", &n, "--cpu"])
+        .arg(program)
+        .args(args)
+        .envs(envs.iter().copied());
+    cmd.output()
+        .unwrap_or_else(|e| panic!("could not run `{cmd:?}`: {e}"))
+}
+
+/// The process's stdout and stderr as text, for assertions and failure messages.
+#[allow(dead_code)]
+pub fn text(out: &Output) -> (String, String) {
+    (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
