@@ -2,10 +2,11 @@
 //! fp16 overflow happened, then refreshes the low-precision copies of the weights.
 
 use super::{Linked, OptimizerLink, StatefulOptimizer};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::grads::Gradients;
+use crate::stateful::{Shared, StateDict, Stateful};
 use candle_core::{DType, Var};
-use std::sync::Arc;
+use std::sync::{Arc, MutexGuard};
 
 /// An optimizer handed to [`Accelerator::prepare`](crate::Accelerator::prepare).
 ///
@@ -13,15 +14,18 @@ use std::sync::Arc;
 /// accumulation micro-steps and on fp16 overflow, so the user's loop needs no `if`.
 #[derive(Debug)]
 pub struct AcceleratedOptimizer<O> {
-    inner: O,
+    // Shared with the Accelerator, which saves and restores its state.
+    inner: Shared<O>,
+    link: Arc<OptimizerLink>,
     // (low-precision copy the model computes with, f32 master the optimizer updates)
     copies: Vec<(Var, Var)>,
     skipped: bool,
 }
 
 impl<O: StatefulOptimizer> AcceleratedOptimizer<O> {
-    pub(crate) fn new(inner: O, copies: Vec<(Var, Var)>) -> Self {
-        AcceleratedOptimizer { inner, copies, skipped: false }
+    pub(crate) fn new(inner: Shared<O>, copies: Vec<(Var, Var)>) -> Self {
+        let link = inner.lock().link().clone();
+        AcceleratedOptimizer { inner, link, copies, skipped: false }
     }
 
     /// Applies `grads` if they end an accumulation window and hold no inf/NaN; otherwise
@@ -34,7 +38,7 @@ impl<O: StatefulOptimizer> AcceleratedOptimizer<O> {
             self.skipped = true;
             return Ok(());
         }
-        self.inner.step(grads.store())?;
+        self.inner.lock().step(grads.store())?;
         self.skipped = false;
         for (copy, master) in &self.copies {
             copy.set(&master.as_tensor().to_dtype(copy.dtype())?)?;
@@ -49,32 +53,22 @@ impl<O: StatefulOptimizer> AcceleratedOptimizer<O> {
 
     /// The learning rate the next real step uses.
     pub fn learning_rate(&self) -> f64 {
-        self.inner.learning_rate()
+        self.link.lr()
     }
 
     /// Sets the learning rate of the next real step.
     pub fn set_learning_rate(&mut self, lr: f64) {
-        self.inner.set_learning_rate(lr)
+        self.link.set_lr(lr)
     }
 
     /// Real optimizer steps taken so far.
     pub fn steps(&self) -> u64 {
-        self.inner.link().steps()
+        self.link.steps()
     }
 
-    /// The wrapped optimizer.
-    pub fn inner(&self) -> &O {
-        &self.inner
-    }
-
-    /// The wrapped optimizer, mutably (e.g. to restore its state).
-    pub fn inner_mut(&mut self) -> &mut O {
-        &mut self.inner
-    }
-
-    /// Unwraps the optimizer.
-    pub fn into_inner(self) -> O {
-        self.inner
+    /// The wrapped optimizer, locked for inspection or changes.
+    pub fn inner(&self) -> MutexGuard<'_, O> {
+        self.inner.lock()
     }
 
     /// Whether the weights the model computes with are separate low-precision copies.
@@ -83,8 +77,46 @@ impl<O: StatefulOptimizer> AcceleratedOptimizer<O> {
     }
 }
 
-impl<O: Linked> Linked for AcceleratedOptimizer<O> {
+impl<O> Linked for AcceleratedOptimizer<O> {
     fn link(&self) -> &Arc<OptimizerLink> {
-        self.inner.link()
+        &self.link
+    }
+}
+
+/// How the Accelerator saves a prepared optimizer: its per-variable state keyed by variable
+/// name, so a resumed process (whose VarMap may list variables in another order) finds it.
+pub(crate) struct OptimizerSlot<O> {
+    pub(crate) opt: Shared<O>,
+    // names[i] is the name of opt.vars()[i]
+    pub(crate) names: Vec<String>,
+}
+
+impl<O: StatefulOptimizer + Send> Stateful for OptimizerSlot<O> {
+    fn state_dict(&self) -> Result<StateDict> {
+        let state = self.opt.lock().state_dict()?;
+        let mut tensors = Vec::new();
+        for (name, per_var) in self.names.iter().zip(state.tensors) {
+            for (key, t) in per_var {
+                tensors.push((format!("{name}::{key}"), t));
+            }
+        }
+        Ok(StateDict { tensors, json: state.scalars })
+    }
+
+    fn load_state_dict(&mut self, state: &StateDict) -> Result<()> {
+        let mut per_var: Vec<Vec<(String, candle_core::Tensor)>> = vec![Vec::new(); self.names.len()];
+        for (full, t) in &state.tensors {
+            let (name, key) = full.split_once("::").ok_or_else(|| {
+                Error::Usage(format!("optimizer state entry `{full}` is not `variable::key`"))
+            })?;
+            let i = self.names.iter().position(|n| n == name).ok_or_else(|| {
+                Error::Usage(format!(
+                    "the saved optimizer state has variable `{name}`, which this optimizer does not update"
+                ))
+            })?;
+            per_var[i].push((key.to_string(), t.clone()));
+        }
+        let state = super::OptimizerState { tensors: per_var, scalars: state.json.clone() };
+        self.opt.lock().load_state_dict(&state)
     }
 }

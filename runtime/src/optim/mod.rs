@@ -5,7 +5,7 @@
 //! numbers as candle-nn's on the same gradients; unlike candle-nn's, their moments and step
 //! count can be read and restored ([`StatefulOptimizer`]), in f32.
 
-mod accelerated;
+pub(crate) mod accelerated;
 pub mod adamw;
 pub mod schedule;
 pub mod sgd;
@@ -82,7 +82,7 @@ pub struct OptimizerState {
 }
 
 /// An optimizer whose variables can be re-bound and whose state can be saved and restored.
-pub trait StatefulOptimizer: candle_nn::Optimizer + Linked {
+pub trait StatefulOptimizer: candle_nn::Optimizer + Linked + Send + 'static {
     /// The variables it updates, in the order it was given them.
     fn vars(&self) -> &[Var];
     /// Replaces each variable by one of the same shape (position for position): used to point
