@@ -52,12 +52,13 @@ impl<D: Dataset> Prepare for DataLoader<D> {
     type Output = DataLoader<D>;
     fn prepare_with(mut self, accelerator: &mut Accelerator) -> Result<Self::Output> {
         let observer: Arc<dyn StepObserver> = accelerator.gradient_state();
-        self.attach(
+        let position = self.attach(
             accelerator.process_index(),
             accelerator.num_processes(),
             accelerator.device().clone(),
             Some(observer),
         )?;
+        accelerator.loaders.push(position);
         Ok(self)
     }
 }

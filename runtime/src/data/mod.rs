@@ -5,7 +5,7 @@ mod dataset;
 mod loader;
 pub mod sampler;
 
-pub use dataset::{Dataset, TensorDataset};
+pub use dataset::{Dataset, TensorColumns, TensorDataset};
 pub use loader::{Batches, DataLoader, LoaderPosition};
 
 /// Told about every batch a prepared loader hands out, so gradient accumulation knows where

@@ -1,0 +1,487 @@
+//! The data loader: this rank's batches of a dataset, epoch after epoch, resumable mid-epoch.
+
+use std::fmt;
+use std::sync::Arc;
+
+use candle_core::Device;
+use serde::{Deserialize, Serialize};
+
+use super::sampler::{self, PlannedBatch};
+use super::{Dataset, StepObserver};
+use crate::stateful::Shared;
+use crate::{Error, Result};
+
+/// Where a loader stands: the epoch, the shuffle seed and how many of this rank's batches of
+/// that epoch have been handed out. Saved with the training state so a resumed run continues
+/// with the next batch.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LoaderPosition {
+    /// The epoch, which with the seed fixes the shuffled order.
+    pub epoch: u64,
+    /// The shuffle seed.
+    pub seed: u64,
+    /// Batches of this epoch already yielded on this rank.
+    pub consumed: usize,
+}
+
+/// Yields this rank's batches of a [`Dataset`], shuffled per epoch when asked, placed on a
+/// device.
+///
+/// Unprepared, a loader is a world of one on its own device (CPU unless [`device`](Self::device)
+/// says otherwise). `Accelerator::prepare` shards it across the processes and moves its batches
+/// to the accelerator's device: with `W` processes each batch of `B` here is one block of a
+/// global batch of `W * B`, so the run sees the same samples per step as one process with batch
+/// `W * B`.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use ivme::data::{DataLoader, TensorDataset};
+///
+/// let x = Tensor::arange(0f32, 10., &Device::Cpu)?;
+/// let mut loader = DataLoader::new(TensorDataset::new(x)?, 4).shuffle(true).seed(7);
+/// assert_eq!(loader.len(), 3); // 4 + 4 + 2
+/// for _epoch in 0..2 {
+///     for batch in loader.iter() {
+///         let batch = batch?; // a new order each epoch
+///         assert!(batch.dims()[0] <= 4);
+///     }
+/// }
+/// # Ok::<(), ivme::Error>(())
+/// ```
+pub struct DataLoader<D: Dataset> {
+    dataset: Arc<D>,
+    batch_size: usize,
+    shuffle: bool,
+    seed: u64,
+    drop_last: bool,
+    even_batches: bool,
+    device: Device,
+    rank: usize,
+    world: usize,
+    prepared: bool,
+    observer: Option<Arc<dyn StepObserver>>,
+    // Once prepared, the Accelerator's copy of the position: it saves it with the training
+    // state and writes a restored one back, which the loader adopts on its next use.
+    shared: Option<Shared<LoaderPosition>>,
+    epoch: u64,
+    consumed: usize,
+    last_padding: usize,
+    /// This rank's plan for `epoch`; cleared whenever anything it depends on changes.
+    plan: Option<Vec<PlannedBatch>>,
+}
+
+impl<D: Dataset> DataLoader<D> {
+    /// Creates a loader over `dataset` yielding batches of `batch_size` samples, unshuffled, on
+    /// the CPU, keeping a short last batch.
+    pub fn new(dataset: D, batch_size: usize) -> Self {
+        DataLoader {
+            dataset: Arc::new(dataset),
+            batch_size,
+            shuffle: false,
+            seed: 0,
+            drop_last: false,
+            even_batches: true,
+            device: Device::Cpu,
+            rank: 0,
+            world: 1,
+            prepared: false,
+            observer: None,
+            shared: None,
+            epoch: 0,
+            consumed: 0,
+            last_padding: 0,
+            plan: None,
+        }
+    }
+
+    /// Shuffles the samples with a new order every epoch (the same order on every rank).
+    pub fn shuffle(mut self, shuffle: bool) -> Self {
+        self.shuffle = shuffle;
+        self.plan = None;
+        self
+    }
+
+    /// Sets the shuffle seed (default 0); with the epoch it fixes the order.
+    pub fn seed(mut self, seed: u64) -> Self {
+        self.seed = seed;
+        self.plan = None;
+        self
+    }
+
+    /// Drops the last, incomplete global batch instead of yielding short batches.
+    pub fn drop_last(mut self, drop_last: bool) -> Self {
+        self.drop_last = drop_last;
+        self.plan = None;
+        self
+    }
+
+    /// Pads the last global batch with samples from the start of the epoch so every rank gets
+    /// the same number of batches (default on). Turned off, ranks past the data's end get one
+    /// batch fewer, which deadlocks any collective they would have joined: use it only for
+    /// loops without gradient sync, and drop padding from metrics with
+    /// [`last_batch_padding`](Self::last_batch_padding) otherwise.
+    pub fn even_batches(mut self, even_batches: bool) -> Self {
+        self.even_batches = even_batches;
+        self.plan = None;
+        self
+    }
+
+    /// Places batches on `device` (default CPU; `prepare` sets the accelerator's device).
+    pub fn device(mut self, device: Device) -> Self {
+        self.device = device;
+        self
+    }
+
+    /// Takes only rank `rank`'s share of a `world`-way split, as `prepare` would, without
+    /// marking the loader prepared.
+    ///
+    /// For code that runs the processes itself, and for tests that look at every rank's share
+    /// from one process. `prepare` replaces this split with the accelerator's.
+    pub fn shard(mut self, rank: usize, world: usize) -> Result<Self> {
+        if self.prepared {
+            return Err(Error::Prepare(
+                "this DataLoader is prepared, so its split comes from the Accelerator; call \
+                 `shard` before `prepare`, or not at all"
+                    .into(),
+            ));
+        }
+        check_split(rank, world)?;
+        self.rank = rank;
+        self.world = world;
+        self.plan = None;
+        Ok(self)
+    }
+
+    /// Hands the loader to an accelerator: its rank, world size, device and the observer told
+    /// about every batch. A loader is prepared once.
+    pub(crate) fn attach(
+        &mut self,
+        rank: usize,
+        world: usize,
+        device: Device,
+        observer: Option<Arc<dyn StepObserver>>,
+    ) -> Result<Shared<LoaderPosition>> {
+        if self.prepared {
+            return Err(Error::Prepare(
+                "this DataLoader was already prepared; prepare each loader once".into(),
+            ));
+        }
+        check_split(rank, world)?;
+        self.rank = rank;
+        self.world = world;
+        self.device = device;
+        self.observer = observer;
+        self.prepared = true;
+        self.plan = None;
+        let shared = Shared::new(self.own_position());
+        self.shared = Some(shared.clone());
+        Ok(shared)
+    }
+
+    /// Takes over a position the Accelerator restored since the loader last moved.
+    fn adopt(&mut self) {
+        let Some(shared) = &self.shared else { return };
+        let p = *shared.lock();
+        if p != self.own_position() {
+            if (p.epoch, p.seed) != (self.epoch, self.seed) {
+                self.plan = None;
+            }
+            self.epoch = p.epoch;
+            self.seed = p.seed;
+            self.consumed = p.consumed;
+        }
+    }
+
+    /// Tells the Accelerator where the loader now is.
+    fn publish(&self) {
+        if let Some(shared) = &self.shared {
+            *shared.lock() = self.own_position();
+        }
+    }
+
+    fn own_position(&self) -> LoaderPosition {
+        LoaderPosition { epoch: self.epoch, seed: self.seed, consumed: self.consumed }
+    }
+
+    /// Returns true once an accelerator has prepared this loader.
+    pub fn is_prepared(&self) -> bool {
+        self.prepared
+    }
+
+    /// Returns the number of batches this rank gets per epoch.
+    pub fn len(&self) -> usize {
+        sampler::batches_per_rank(
+            self.dataset.len(),
+            self.batch_size,
+            self.world,
+            self.rank,
+            self.drop_last,
+            self.even_batches,
+        )
+    }
+
+    /// Returns true when this rank gets no batches.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Returns the number of samples per batch on this rank.
+    pub fn batch_size(&self) -> usize {
+        self.batch_size
+    }
+
+    /// Returns the current epoch.
+    pub fn epoch(&self) -> u64 {
+        self.position().epoch
+    }
+
+    /// Moves to `epoch`, at its start; naming the current epoch keeps the position, so a loop
+    /// calling `set_epoch(e)` each epoch resumes mid-epoch after `set_position`.
+    pub fn set_epoch(&mut self, epoch: u64) {
+        self.adopt();
+        if epoch != self.epoch {
+            self.epoch = epoch;
+            self.consumed = 0;
+            self.plan = None;
+            self.publish();
+        }
+    }
+
+    /// Returns the position to save: epoch, seed and batches consumed.
+    pub fn position(&self) -> LoaderPosition {
+        match &self.shared {
+            Some(shared) => *shared.lock(),
+            None => self.own_position(),
+        }
+    }
+
+    /// Restores a saved position, so the next batch is the one after the last yielded.
+    pub fn set_position(&mut self, position: LoaderPosition) -> Result<()> {
+        let len = self.len();
+        if position.consumed > len {
+            return Err(Error::Usage(format!(
+                "the saved data position has {} batches consumed, but this loader yields {len} \
+                 per epoch on this rank; resume with the same dataset, batch size, drop_last, \
+                 even_batches and number of processes as the saved run",
+                position.consumed
+            )));
+        }
+        if (position.epoch, position.seed) != (self.epoch, self.seed) {
+            self.plan = None;
+        }
+        self.epoch = position.epoch;
+        self.seed = position.seed;
+        self.consumed = position.consumed;
+        self.publish();
+        Ok(())
+    }
+
+    /// Returns how many samples of the last yielded batch were padding (repeats that evened
+    /// out the ranks); drop that many rows from the end before computing metrics.
+    pub fn last_batch_padding(&self) -> usize {
+        self.last_padding
+    }
+
+    /// Returns the dataset.
+    pub fn dataset(&self) -> &D {
+        &self.dataset
+    }
+
+    /// Iterates over the rest of the current epoch; when it is already complete, over the
+    /// whole next epoch (reshuffled), so a plain `for` loop per epoch needs no `set_epoch`.
+    pub fn iter(&mut self) -> Batches<'_, D> {
+        let pending = if self.batch_size == 0 {
+            Some(Error::config(
+                "batch_size",
+                0,
+                "give DataLoader::new a batch size of at least 1",
+            ))
+        } else {
+            self.adopt();
+            let len = self.len();
+            if len > 0 && self.consumed >= len {
+                self.set_epoch(self.epoch.wrapping_add(1));
+            }
+            None
+        };
+        Batches {
+            loader: self,
+            pending,
+        }
+    }
+
+    /// Builds this epoch's plan if it is not cached yet.
+    fn ensure_plan(&mut self) {
+        if self.plan.is_none() {
+            let order =
+                sampler::epoch_order(self.dataset.len(), self.shuffle, self.seed, self.epoch);
+            self.plan = Some(sampler::plan_epoch(
+                &order,
+                self.batch_size,
+                self.world,
+                self.rank,
+                self.drop_last,
+                self.even_batches,
+            ));
+        }
+    }
+
+    /// Fetches the next planned batch, advancing the position even when fetching fails so a
+    /// bad sample cannot stall the loop forever.
+    fn next_batch(&mut self) -> Option<Result<D::Batch>> {
+        self.ensure_plan();
+        let plan = self.plan.as_ref()?;
+        let index = self.consumed;
+        let planned = plan.get(index)?;
+        self.consumed += 1;
+        if let Some(shared) = &self.shared {
+            shared.lock().consumed = self.consumed;
+        }
+        let batch = self.dataset.get_batch(&planned.indices, &self.device);
+        self.last_padding = planned.padding;
+        if batch.is_ok() {
+            if let Some(observer) = &self.observer {
+                observer.on_batch(index, plan.len());
+            }
+        }
+        Some(batch)
+    }
+}
+
+/// Rejects a split with no processes or a rank outside it.
+fn check_split(rank: usize, world: usize) -> Result<()> {
+    if world == 0 || rank >= world {
+        return Err(Error::Usage(format!(
+            "rank {rank} of a world of {world} processes does not exist; the rank must be \
+             below the (non-zero) number of processes"
+        )));
+    }
+    Ok(())
+}
+
+impl<D: Dataset> fmt::Debug for DataLoader<D> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DataLoader")
+            .field("samples", &self.dataset.len())
+            .field("batch_size", &self.batch_size)
+            .field("shuffle", &self.shuffle)
+            .field("drop_last", &self.drop_last)
+            .field("even_batches", &self.even_batches)
+            .field("device", &self.device)
+            .field("rank", &self.rank)
+            .field("world", &self.world)
+            .field("prepared", &self.prepared)
+            .field("position", &self.position())
+            .finish_non_exhaustive()
+    }
+}
+
+/// The batches of one epoch (from the loader's position on), as `DataLoader::iter` returns them.
+pub struct Batches<'a, D: Dataset> {
+    loader: &'a mut DataLoader<D>,
+    /// A setting error to report once, instead of yielding batches.
+    pending: Option<Error>,
+}
+
+impl<D: Dataset> Iterator for Batches<'_, D> {
+    type Item = Result<D::Batch>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if let Some(err) = self.pending.take() {
+            return Some(Err(err));
+        }
+        if self.loader.batch_size == 0 {
+            return None;
+        }
+        self.loader.next_batch()
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        let left = self.loader.len().saturating_sub(self.loader.consumed);
+        let left = left + usize::from(self.pending.is_some());
+        (left, Some(left))
+    }
+}
+
+impl<D: Dataset> ExactSizeIterator for Batches<'_, D> {}
+
+impl<'a, D: Dataset> IntoIterator for &'a mut DataLoader<D> {
+    type Item = Result<D::Batch>;
+    type IntoIter = Batches<'a, D>;
+
+    fn into_iter(self) -> Batches<'a, D> {
+        self.iter()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use candle_core::Tensor;
+
+    use super::*;
+    use crate::data::TensorDataset;
+
+    #[derive(Default)]
+    struct Recorder(Mutex<Vec<(usize, usize)>>);
+
+    impl StepObserver for Recorder {
+        fn on_batch(&self, index: usize, batches_in_epoch: usize) {
+            if let Ok(mut seen) = self.0.lock() {
+                seen.push((index, batches_in_epoch));
+            }
+        }
+    }
+
+    fn loader(n: u32, batch: usize) -> Result<DataLoader<TensorDataset<Tensor>>> {
+        let data = TensorDataset::new(Tensor::arange(0u32, n, &Device::Cpu)?)?;
+        Ok(DataLoader::new(data, batch))
+    }
+
+    #[test]
+    fn attach_shards_once_and_reports_every_batch() -> Result<()> {
+        let mut l = loader(10, 2)?;
+        assert!(!l.is_prepared());
+        let recorder = Arc::new(Recorder::default());
+        l.attach(1, 2, Device::Cpu, Some(recorder.clone()))?;
+        assert!(l.is_prepared());
+        // 10 samples, global batch 4: rank 1 takes [2, 3] and [6, 7]; the tail [8, 9]
+        // splits one per rank, so rank 1 ends with [9].
+        let got: Vec<Vec<u32>> = l
+            .iter()
+            .map(|b| Ok(b?.to_vec1::<u32>()?))
+            .collect::<Result<_>>()?;
+        assert_eq!(got, vec![vec![2, 3], vec![6, 7], vec![9]]);
+        let seen = recorder.0.lock().map(|s| s.clone()).unwrap_or_default();
+        assert_eq!(seen, vec![(0, 3), (1, 3), (2, 3)]);
+
+        let again = l.attach(0, 1, Device::Cpu, None).unwrap_err().to_string();
+        assert!(again.contains("already prepared"), "{again}");
+        assert!(l.shard(0, 2).is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn attach_rejects_a_rank_outside_the_world() -> Result<()> {
+        let mut l = loader(4, 2)?;
+        assert!(l.attach(3, 2, Device::Cpu, None).is_err());
+        assert!(!l.is_prepared());
+        Ok(())
+    }
+
+    #[test]
+    fn the_plan_is_built_once_per_epoch() -> Result<()> {
+        let mut l = loader(9, 2)?.shuffle(true);
+        let mut it = l.iter();
+        it.next();
+        drop(it);
+        let cached = l.plan.clone();
+        assert!(cached.is_some());
+        l.iter().next();
+        assert_eq!(l.plan, cached, "same epoch, same cached plan");
+        l.set_epoch(1);
+        assert!(l.plan.is_none());
+        Ok(())
+    }
+}
