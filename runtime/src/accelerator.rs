@@ -6,7 +6,10 @@ use crate::comm::{self, Communicator, Counted};
 use crate::config::{resolve, Precision, Resolved};
 use crate::error::{Error, Result};
 use crate::grads::{GradientState, Gradients, MicroStep, ParamSet};
+use crate::optim::accelerated::OptimizerSlot;
 use crate::optim::{AcceleratedOptimizer, StatefulOptimizer};
+use crate::rng::{mix, Rng};
+use crate::stateful::{Shared, Stateful};
 use crate::prepare::Prepare;
 use crate::scaler::LossScaler;
 use crate::state::{select_device, EnvLayout, ProcessState};
@@ -150,6 +153,12 @@ impl AcceleratorBuilder {
             seed: self.seed.unwrap_or(0),
             bucket_bytes: self.bucket_mb.unwrap_or(25).max(1) << 20,
             models: Vec::new(),
+            optimizers: Vec::new(),
+            loaders: Vec::new(),
+            registered: Vec::new(),
+            project: None,
+            // Rank-specific streams: dropout on different data must not share masks.
+            rng: Shared::new(Rng::new(mix(self.seed.unwrap_or(0), rank as u64))),
         })
     }
 }
@@ -181,18 +190,35 @@ fn check_precision(p: Precision, device: &Device) -> Result<()> {
 /// accelerator.print(format!("training on {} processes", accelerator.num_processes()));
 /// # Ok(()) }
 /// ```
-#[derive(Debug)]
 pub struct Accelerator {
     state: ProcessState,
     comm: Counted,
     precision: Precision,
-    grad_state: Arc<GradientState>,
-    scaler: Option<LossScaler>,
     clip_norm: Option<f64>,
     clip_value: Option<f64>,
     seed: u64,
     bucket_bytes: usize,
-    models: Vec<ParamSet>,
+    pub(crate) models: Vec<ParamSet>,
+    pub(crate) optimizers: Vec<Box<dyn Stateful>>,
+    pub(crate) rng: Shared<Rng>,
+    pub(crate) loaders: Vec<Shared<crate::data::LoaderPosition>>,
+    pub(crate) registered: Vec<Box<dyn Stateful>>,
+    pub(crate) project: Option<crate::checkpoint::ProjectConfiguration>,
+    pub(crate) scaler: Option<LossScaler>,
+    pub(crate) grad_state: Arc<GradientState>,
+}
+
+impl std::fmt::Debug for Accelerator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Accelerator")
+            .field("state", &self.state)
+            .field("comm", &self.comm)
+            .field("precision", &self.precision)
+            .field("grad_accum", &self.grad_state.accum())
+            .field("models", &self.models.len())
+            .field("optimizers", &self.optimizers.len())
+            .finish()
+    }
 }
 
 impl Accelerator {
@@ -393,7 +419,35 @@ impl Accelerator {
         if !copies.is_empty() {
             opt.replace_vars(masters)?;
         }
-        Ok(AcceleratedOptimizer::new(opt, copies))
+        let names = opt
+            .vars()
+            .iter()
+            .map(|v| self.name_of(v).unwrap_or_default())
+            .collect();
+        let shared = Shared::new(opt);
+        self.optimizers.push(Box::new(OptimizerSlot { opt: shared.clone(), names }));
+        Ok(AcceleratedOptimizer::new(shared, copies))
+    }
+
+    fn name_of(&self, var: &Var) -> Option<String> {
+        let id = var.as_tensor().id();
+        self.models.iter().find_map(|m| {
+            m.master.iter().position(|v| v.as_tensor().id() == id).map(|i| m.names[i].clone())
+        })
+    }
+
+    /// Reseeds ivme's generator (the one [`rng`](Self::rng) returns) from `seed`: the same
+    /// stream on every rank, or with `rank_specific` a different one per rank (what dropout on
+    /// different data wants). Loaders shuffle from their own `seed`, identical on every rank.
+    pub fn set_seed(&self, seed: u64, rank_specific: bool) {
+        let stream = if rank_specific { self.state.rank as u64 } else { u64::MAX };
+        *self.rng.lock() = Rng::new(mix(seed, stream));
+    }
+
+    /// This process's seeded generator for anything random that must resume exactly
+    /// (dropout masks, augmentation); saved and restored with the training state.
+    pub fn rng(&self) -> Shared<Rng> {
+        self.rng.clone()
     }
 
     /// The gradient state shared with prepared data loaders.
@@ -487,8 +541,14 @@ impl Accelerator {
         &self,
         f: impl FnOnce(&Autocast) -> candle_core::Result<T>,
     ) -> candle_core::Result<T> {
+        self.autocast_scope().run(f)
+    }
+
+    /// A handle for autocast scopes that holds no borrow of the Accelerator, so a closure
+    /// can use it while the Accelerator is borrowed mutably elsewhere (the macro binds one).
+    pub fn autocast_scope(&self) -> Autocast {
         let dtype = (self.precision != Precision::No).then(|| self.precision.compute_dtype());
-        Autocast::new(dtype).run(f)
+        Autocast::new(dtype)
     }
 
     /// The prepared models' variables by name: (name, f32 master) pairs, sorted by name.

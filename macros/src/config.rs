@@ -1,0 +1,454 @@
+//! The attribute's keys, parsed into typed values that keep their spans and validated in one
+//! pass, so a user sees every mistake in the attribute at once.
+
+use crate::errors::Errors;
+use proc_macro2::{Literal, Span, TokenStream};
+use quote::{quote, quote_spanned};
+use syn::parse::Parser;
+use syn::punctuated::Punctuated;
+use syn::spanned::Spanned;
+use syn::{Expr, Lit, Meta, Token, UnOp};
+
+/// Every key the attribute accepts, in the order the builder calls are emitted.
+pub(crate) const KEYS: &[&str] = &[
+    "grad_accum",
+    "precision",
+    "clip_grad_norm",
+    "clip_grad_value",
+    "cpu",
+    "seed",
+];
+
+/// Names users bring from other training libraries, mapped to ours.
+const ALIASES: &[(&str, &str)] = &[
+    ("gradient_accumulation_steps", "grad_accum"),
+    ("mixed_precision", "precision"),
+    ("max_grad_norm", "clip_grad_norm"),
+];
+
+/// The precisions `precision = ".."` accepts.
+const PRECISIONS: &[&str] = &["no", "fp16", "bf16"];
+
+/// One value from the attribute with the spans errors and generated code point at.
+#[derive(Debug, Clone)]
+pub(crate) struct Setting<T> {
+    pub value: T,
+    pub span: Span,
+}
+
+/// The validated configuration of one `#[accelerate(...)]`.
+#[derive(Debug, Default)]
+pub(crate) struct Config {
+    pub grad_accum: Option<Setting<usize>>,
+    pub precision: Option<Setting<&'static str>>,
+    pub clip_grad_norm: Option<Setting<f64>>,
+    pub clip_grad_value: Option<Setting<f64>>,
+    pub cpu: Option<Setting<bool>>,
+    pub seed: Option<Setting<u64>>,
+    /// The key names as written, for errors about the attribute as a whole.
+    pub keys: Vec<syn::Path>,
+}
+
+impl Config {
+    /// True when the attribute asked for a low-precision mode.
+    pub fn low_precision(&self) -> bool {
+        matches!(&self.precision, Some(p) if p.value != "no")
+    }
+
+    /// The builder calls between `Accelerator::builder()` and `.build()`, each spanned on the
+    /// user's value so a type error points at the attribute.
+    pub fn builder_calls(&self) -> TokenStream {
+        let mut calls = TokenStream::new();
+        if let Some(s) = &self.grad_accum {
+            let v = spanned_lit(Literal::usize_unsuffixed(s.value), s.span);
+            calls.extend(quote_spanned!(s.span=> .grad_accum(#v)));
+        }
+        if let Some(s) = &self.precision {
+            let variant = syn::Ident::new(
+                match s.value {
+                    "fp16" => "Fp16",
+                    "bf16" => "Bf16",
+                    _ => "No",
+                },
+                s.span,
+            );
+            calls.extend(quote_spanned!(s.span=> .precision(::ivme::Precision::#variant)));
+        }
+        if let Some(s) = &self.clip_grad_norm {
+            let v = spanned_lit(Literal::f64_unsuffixed(s.value), s.span);
+            calls.extend(quote_spanned!(s.span=> .clip_grad_norm(#v)));
+        }
+        if let Some(s) = &self.clip_grad_value {
+            let v = spanned_lit(Literal::f64_unsuffixed(s.value), s.span);
+            calls.extend(quote_spanned!(s.span=> .clip_grad_value(#v)));
+        }
+        if let Some(s) = &self.cpu {
+            let v = syn::LitBool::new(s.value, s.span);
+            calls.extend(quote_spanned!(s.span=> .cpu(#v)));
+        }
+        if let Some(s) = &self.seed {
+            let v = spanned_lit(Literal::u64_unsuffixed(s.value), s.span);
+            calls.extend(quote_spanned!(s.span=> .seed(#v)));
+        }
+        calls
+    }
+}
+
+fn spanned_lit(mut lit: Literal, span: Span) -> Literal {
+    lit.set_span(span);
+    lit
+}
+
+/// Parses and validates the attribute's arguments; every problem found is in the error.
+pub(crate) fn parse(attr: TokenStream) -> Result<Config, syn::Error> {
+    let metas = Punctuated::<Meta, Token![,]>::parse_terminated.parse2(attr)?;
+    let mut config = Config::default();
+    let mut errors = Errors::default();
+    for meta in metas {
+        let nv = match meta {
+            Meta::NameValue(nv) => nv,
+            Meta::Path(path) => {
+                errors.push(missing_value(&path));
+                continue;
+            }
+            Meta::List(list) => {
+                errors.push(syn::Error::new_spanned(
+                    &list.path,
+                    format!(
+                        "write `{} = value`, not a list",
+                        quote!(#list.path).to_string().replace(' ', "")
+                    ),
+                ));
+                continue;
+            }
+        };
+        let Some(key) = nv.path.get_ident().map(|i| i.to_string()) else {
+            errors.push(unknown_key(&nv.path, &quote!(#nv.path).to_string()));
+            continue;
+        };
+        if !KEYS.contains(&key.as_str()) {
+            errors.push(unknown_key(&nv.path, &key));
+            continue;
+        }
+        if config.keys.iter().any(|k| k.is_ident(&key)) {
+            errors.push(syn::Error::new_spanned(
+                &nv.path,
+                format!("`{key}` is set twice in this attribute; keep one"),
+            ));
+            continue;
+        }
+        let clip_other = match key.as_str() {
+            "clip_grad_norm" => Some("clip_grad_value"),
+            "clip_grad_value" => Some("clip_grad_norm"),
+            _ => None,
+        };
+        if let Some(other) = clip_other {
+            if config.keys.iter().any(|k| k.is_ident(other)) {
+                errors.push(syn::Error::new_spanned(
+                    &nv.path,
+                    format!(
+                        "`{key}` conflicts with `{other}`: gradients are clipped either by \
+                         global norm or by value, so set only one of them"
+                    ),
+                ));
+                continue;
+            }
+        }
+        config.keys.push(nv.path.clone());
+        let value = &nv.value;
+        let span = value.span();
+        let result = match key.as_str() {
+            "grad_accum" => grad_accum(value).map(|v| config.grad_accum = setting(v, span)),
+            "precision" => precision(value).map(|v| config.precision = setting(v, span)),
+            "clip_grad_norm" => {
+                positive_float(&key, value).map(|v| config.clip_grad_norm = setting(v, span))
+            }
+            "clip_grad_value" => {
+                positive_float(&key, value).map(|v| config.clip_grad_value = setting(v, span))
+            }
+            "cpu" => boolean(value).map(|v| config.cpu = setting(v, span)),
+            _ => seed(value).map(|v| config.seed = setting(v, span)),
+        };
+        if let Err(e) = result {
+            errors.push(e);
+        }
+    }
+    errors.finish()?;
+    Ok(config)
+}
+
+fn setting<T>(value: T, span: Span) -> Option<Setting<T>> {
+    Some(Setting { value, span })
+}
+
+fn unknown_key(path: &syn::Path, key: &str) -> syn::Error {
+    let alias = ALIASES
+        .iter()
+        .find(|(from, _)| *from == key)
+        .map(|(_, to)| *to);
+    let msg = match alias.or_else(|| closest(key, KEYS)) {
+        Some(k) => format!("unknown key `{key}`; did you mean `{k}`?"),
+        None => format!("unknown key `{key}`; the keys are: {}", KEYS.join(", ")),
+    };
+    syn::Error::new_spanned(path, msg)
+}
+
+fn missing_value(path: &syn::Path) -> syn::Error {
+    let key = quote!(#path).to_string().replace(' ', "");
+    let example = match key.as_str() {
+        "grad_accum" => "grad_accum = 2",
+        "precision" => "precision = \"bf16\"",
+        "clip_grad_norm" => "clip_grad_norm = 1.0",
+        "clip_grad_value" => "clip_grad_value = 0.5",
+        "cpu" => "cpu = true",
+        "seed" => "seed = 42",
+        _ => return unknown_key(path, &key),
+    };
+    syn::Error::new_spanned(path, format!("`{key}` needs a value, e.g. `{example}`"))
+}
+
+/// The literal inside `value`, and whether it was negated (`-1`).
+fn literal(value: &Expr) -> Option<(&Lit, bool)> {
+    match value {
+        Expr::Lit(l) => Some((&l.lit, false)),
+        Expr::Unary(u) if matches!(u.op, UnOp::Neg(_)) => match &*u.expr {
+            Expr::Lit(l) => Some((&l.lit, true)),
+            _ => None,
+        },
+        Expr::Group(g) => literal(&g.expr),
+        Expr::Paren(p) => literal(&p.expr),
+        _ => None,
+    }
+}
+
+fn grad_accum(value: &Expr) -> syn::Result<usize> {
+    let range = "`grad_accum` must be at least 1: it is the number of micro-batches summed \
+                 into each optimizer step";
+    match literal(value) {
+        Some((Lit::Int(i), negative)) => {
+            // syn folds `-3` in an attribute into one literal with a `-` in its digits.
+            let negative = negative || i.base10_digits().starts_with('-');
+            if negative {
+                return Err(syn::Error::new_spanned(value, range));
+            }
+            let n: usize = i.base10_parse().map_err(|_| {
+                syn::Error::new_spanned(value, "`grad_accum` is too large for a usize")
+            })?;
+            if n == 0 {
+                return Err(syn::Error::new_spanned(value, range));
+            }
+            Ok(n)
+        }
+        _ => Err(syn::Error::new_spanned(
+            value,
+            "`grad_accum` takes an integer literal, e.g. `grad_accum = 4`",
+        )),
+    }
+}
+
+fn precision(value: &Expr) -> syn::Result<&'static str> {
+    let valid = PRECISIONS
+        .iter()
+        .map(|p| format!("\"{p}\""))
+        .collect::<Vec<_>>()
+        .join(", ");
+    match literal(value) {
+        Some((Lit::Str(s), false)) => {
+            let v = s.value();
+            if let Some(p) = PRECISIONS.iter().find(|p| **p == v) {
+                return Ok(p);
+            }
+            let hint = match closest(&v.to_ascii_lowercase(), PRECISIONS) {
+                Some(p) => format!("; did you mean \"{p}\"?"),
+                None => String::new(),
+            };
+            Err(syn::Error::new_spanned(
+                value,
+                format!("unknown precision \"{v}\": use one of {valid}{hint}"),
+            ))
+        }
+        _ => {
+            let hint = match value {
+                Expr::Path(p) if p.path.get_ident().is_some() => {
+                    let word = quote!(#p).to_string();
+                    format!(" (write `precision = \"{word}\"`)")
+                }
+                _ => String::new(),
+            };
+            Err(syn::Error::new_spanned(
+                value,
+                format!("`precision` takes a string, one of {valid}{hint}"),
+            ))
+        }
+    }
+}
+
+fn positive_float(key: &str, value: &Expr) -> syn::Result<f64> {
+    let parsed: Option<f64> = match literal(value) {
+        Some((Lit::Float(f), neg)) => f
+            .base10_parse::<f64>()
+            .ok()
+            .map(|v| if neg { -v } else { v }),
+        Some((Lit::Int(i), neg)) => i
+            .base10_parse::<f64>()
+            .ok()
+            .map(|v| if neg { -v } else { v }),
+        _ => {
+            return Err(syn::Error::new_spanned(
+                value,
+                format!("`{key}` takes a number, e.g. `{key} = 1.0`"),
+            ))
+        }
+    };
+    match parsed {
+        Some(v) if v.is_finite() && v > 0.0 => Ok(v),
+        _ => Err(syn::Error::new_spanned(
+            value,
+            format!("`{key}` must be a positive, finite number: it is the clipping threshold"),
+        )),
+    }
+}
+
+fn boolean(value: &Expr) -> syn::Result<bool> {
+    match literal(value) {
+        Some((Lit::Bool(b), false)) => Ok(b.value),
+        _ => Err(syn::Error::new_spanned(
+            value,
+            "`cpu` takes `true` or `false`",
+        )),
+    }
+}
+
+fn seed(value: &Expr) -> syn::Result<u64> {
+    match literal(value) {
+        Some((Lit::Int(i), false)) if !i.base10_digits().starts_with('-') => {
+            i.base10_parse().map_err(|_| {
+                syn::Error::new_spanned(
+                    value,
+                    "`seed` must fit in a u64 (0 to 18446744073709551615)",
+                )
+            })
+        }
+        Some((Lit::Int(_), _)) => Err(syn::Error::new_spanned(
+            value,
+            "`seed` must not be negative: it is a u64",
+        )),
+        _ => Err(syn::Error::new_spanned(
+            value,
+            "`seed` takes an integer literal, e.g. `seed = 42`",
+        )),
+    }
+}
+
+/// The candidate closest to `word` by edit distance, when it is close enough to be a typo.
+pub(crate) fn closest(word: &str, candidates: &[&'static str]) -> Option<&'static str> {
+    candidates
+        .iter()
+        .map(|c| (edit_distance(word, c), *c))
+        .filter(|(d, c)| *d <= (c.len().max(word.len()) / 3).max(1))
+        .min_by_key(|(d, _)| *d)
+        .map(|(_, c)| c)
+}
+
+/// Levenshtein distance over chars.
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut prev: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut cur = vec![i + 1; b.len() + 1];
+        for (j, cb) in b.iter().enumerate() {
+            let substitute = prev[j] + usize::from(ca != *cb);
+            cur[j + 1] = substitute.min(prev[j + 1] + 1).min(cur[j] + 1);
+        }
+        prev = cur;
+    }
+    prev[b.len()]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn errors_of(attr: TokenStream) -> Vec<String> {
+        match parse(attr) {
+            Ok(_) => vec![],
+            Err(e) => e.into_iter().map(|e| e.to_string()).collect(),
+        }
+    }
+
+    #[test]
+    fn edit_distance_counts_single_edits() {
+        assert_eq!(edit_distance("grad_acum", "grad_accum"), 1);
+        assert_eq!(edit_distance("seeed", "seed"), 1);
+        assert_eq!(edit_distance("", "cpu"), 3);
+        assert_eq!(edit_distance("kitten", "sitting"), 3);
+    }
+
+    #[test]
+    fn typos_get_a_suggestion_and_strangers_get_the_list() {
+        assert_eq!(closest("precison", KEYS), Some("precision"));
+        assert_eq!(closest("f16", PRECISIONS), Some("fp16"));
+        assert_eq!(closest("learning_rate", KEYS), None);
+    }
+
+    #[test]
+    fn valid_keys_parse_into_typed_values() {
+        let c = parse(quote!(
+            grad_accum = 4,
+            precision = "bf16",
+            clip_grad_norm = 1,
+            cpu = true,
+            seed = 7
+        ))
+        .unwrap();
+        assert_eq!(c.grad_accum.unwrap().value, 4);
+        assert_eq!(c.precision.unwrap().value, "bf16");
+        assert_eq!(c.clip_grad_norm.unwrap().value, 1.0);
+        assert!(c.cpu.unwrap().value);
+        assert_eq!(c.seed.unwrap().value, 7);
+    }
+
+    #[test]
+    fn every_error_is_reported_together() {
+        let errs = errors_of(quote!(
+            grad_accum = 0,
+            precision = "fp8",
+            seeed = 1,
+            clip_grad_value = -1.0
+        ));
+        assert_eq!(errs.len(), 4, "{errs:?}");
+        assert!(errs[0].contains("at least 1"));
+        assert!(errs[1].contains("\"no\", \"fp16\", \"bf16\""));
+        assert!(errs[2].contains("did you mean `seed`"));
+        assert!(errs[3].contains("positive"));
+    }
+
+    #[test]
+    fn duplicates_and_conflicts_are_errors() {
+        let errs = errors_of(quote!(
+            seed = 1,
+            seed = 2,
+            clip_grad_norm = 1.0,
+            clip_grad_value = 1.0
+        ));
+        assert_eq!(errs.len(), 2, "{errs:?}");
+        assert!(errs[0].contains("set twice"));
+        assert!(errs[1].contains("conflicts"));
+    }
+
+    #[test]
+    fn negative_numbers_are_out_of_range_not_too_large() {
+        // Built the way rustc hands `-3` to an attribute: a `-` then a literal.
+        let errs = errors_of(quote!(grad_accum = -3, seed = -1, clip_grad_norm = -0.5));
+        assert_eq!(errs.len(), 3, "{errs:?}");
+        assert!(errs[0].contains("at least 1"), "{errs:?}");
+        assert!(errs[1].contains("must not be negative"), "{errs:?}");
+        assert!(errs[2].contains("positive"), "{errs:?}");
+    }
+
+    #[test]
+    fn aliases_from_other_libraries_point_to_our_key() {
+        let errs = errors_of(quote!(gradient_accumulation_steps = 2));
+        assert!(errs[0].contains("did you mean `grad_accum`"), "{errs:?}");
+    }
+}

@@ -1,0 +1,15 @@
+#![allow(dead_code)]
+
+use candle_core::Tensor;
+use candle_nn::{Optimizer, VarMap, SGD};
+use ivme::accelerate;
+
+#[accelerate]
+fn train(varmap: &VarMap, loss: &Tensor) -> candle_core::Result<()> {
+    let mut opt = SGD::new(varmap.all_vars(), 0.1)?;
+    let grads = loss.backward()?;
+    opt.step(&grads)?;
+    Ok(())
+}
+
+fn main() {}

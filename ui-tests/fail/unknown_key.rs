@@ -1,0 +1,10 @@
+use ivme::accelerate;
+
+#[accelerate(grad_acum = 2)]
+fn train() -> candle_core::Result<()> {
+    Ok(())
+}
+
+fn main() {
+    let _ = train();
+}
