@@ -15,4 +15,8 @@ if [ ${#need[@]} -gt 0 ]; then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}" libopenmpi-dev openmpi-bin libclang-dev pkg-config >/dev/null
 fi
+# The tracking tests read TensorBoard event files back with the reference reader.
+python3 -c "import tensorboard" >/dev/null 2>&1 || python3 -m pip install --quiet tensorboard
+# The checkpoint interop tests read and write model files with Python's safetensors package.
+python3 -c "import safetensors, numpy" >/dev/null 2>&1 || python3 -m pip install --quiet safetensors numpy
 echo "setup: $(mpirun --version 2>&1 | head -n 1)"

@@ -10,16 +10,24 @@
 
 pub mod accelerator;
 pub mod autocast;
+pub mod checkpoint;
 pub mod comm;
 pub mod config;
 pub mod data;
 pub mod error;
 pub mod grads;
+pub mod logging;
+pub mod memory;
+pub mod metrics;
 pub mod optim;
 pub mod prepare;
+mod resume;
+pub mod progress;
 pub mod rng;
 pub mod scaler;
 pub mod state;
+pub mod stateful;
+pub mod tracking;
 
 #[doc(hidden)]
 pub mod macro_support;

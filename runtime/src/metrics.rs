@@ -1,0 +1,426 @@
+//! Metrics across processes: gathering, reducing and broadcasting tensors and small serde
+//! values, and splitting work between ranks.
+//!
+//! Every collective here first exchanges a small header (shape, dtype, rows to drop) so that
+//! a rank whose tensor does not fit the others is reported as an error on *every* rank, instead
+//! of leaving the others waiting in a collective that can never complete.
+
+use crate::comm::ReduceOp;
+use crate::data::{DataLoader, Dataset};
+use crate::{Accelerator, Error, Result};
+use candle_core::{DType, Device, Tensor};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use std::ops::Range;
+
+/// What a rank tells the others before a tensor collective.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+struct Header {
+    dims: Vec<usize>,
+    dtype: String,
+    /// Rows at the end of this rank's part that are padding (for `gather_for_metrics`).
+    drop: usize,
+}
+
+impl Header {
+    fn of(t: &Tensor, drop: usize) -> Self {
+        Header {
+            dims: t.dims().to_vec(),
+            dtype: t.dtype().as_str().to_string(),
+            drop,
+        }
+    }
+
+    fn describe(&self) -> String {
+        format!("{:?} ({})", self.dims, self.dtype)
+    }
+}
+
+/// Returns the contiguous share of `len` items that rank `rank` of `world` gets: the first
+/// `len % world` ranks get one item more than the others.
+pub fn split_range(len: usize, rank: usize, world: usize) -> Range<usize> {
+    if world == 0 || rank >= world {
+        return 0..0;
+    }
+    let base = len / world;
+    let extra = len % world;
+    let start = rank * base + rank.min(extra);
+    let size = base + usize::from(rank < extra);
+    start..start + size
+}
+
+/// Returns rank `rank`'s contiguous share of `items`, padded to the largest share by repeating
+/// its own last item (or the list's last item when its share is empty).
+pub fn split_padded<T: Clone>(items: &[T], rank: usize, world: usize) -> Vec<T> {
+    let range = split_range(items.len(), rank, world);
+    let mut part = items[range].to_vec();
+    if world == 0 || items.is_empty() {
+        return part;
+    }
+    let target = items.len().div_ceil(world);
+    let filler = part.last().or(items.last()).cloned();
+    if let Some(filler) = filler {
+        part.resize(target, filler);
+    }
+    part
+}
+
+/// A scalar travels as a one-element vector, so every rank contributes one row.
+fn at_least_1d(t: &Tensor) -> Result<Tensor> {
+    if t.rank() == 0 {
+        Ok(t.reshape(1)?)
+    } else {
+        Ok(t.clone())
+    }
+}
+
+/// A tensor of `dims` filled with `value`, of `dtype` on `device`.
+fn filled(dims: &[usize], value: f64, dtype: DType, device: &Device) -> Result<Tensor> {
+    let t = Tensor::zeros(dims, DType::F64, device)?;
+    Ok(t.affine(1.0, value)?.to_dtype(dtype)?)
+}
+
+impl Accelerator {
+    /// Every rank's header, in rank order.
+    fn exchange_headers(&self, t: &Tensor, drop: usize) -> Result<Vec<Header>> {
+        let mine = serde_json::to_vec(&Header::of(t, drop))?;
+        self.comm()
+            .all_gather_bytes(&mine)?
+            .iter()
+            .map(|b| Ok(serde_json::from_slice::<Header>(b)?))
+            .collect()
+    }
+
+    /// Fails on every rank when any two ranks' tensors differ in shape or dtype.
+    fn check_same_shape(&self, what: &str, t: &Tensor) -> Result<()> {
+        let headers = self.exchange_headers(t, 0)?;
+        if let Some((r, h)) = headers.iter().enumerate().find(|(_, h)| **h != headers[0]) {
+            return Err(Error::Comm(format!(
+                "{what}: rank 0 has shape {} but rank {r} has shape {}; every rank must pass a \
+                 tensor of the same shape and dtype",
+                headers[0].describe(),
+                h.describe()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Concatenates every rank's tensor along the first dimension, in rank order; the first
+    /// dimension may differ between ranks, the others and the dtype must agree.
+    ///
+    /// A scalar counts as one row. Every rank gets the whole result.
+    pub fn gather(&self, t: &Tensor) -> Result<Tensor> {
+        self.gather_dropping("gather", t, 0)
+    }
+
+    /// Gathers like [`gather`](Self::gather), then drops the rows that padded each rank's last
+    /// batch, so every sample of the epoch counts exactly once.
+    ///
+    /// Call it on the outputs of the batch `loader` yielded last (its
+    /// [`last_batch_padding`](DataLoader::last_batch_padding) says how many of this rank's
+    /// trailing rows are padding). For an unshuffled loader the result is in dataset order.
+    ///
+    /// ```no_run
+    /// # fn demo(accelerator: &ivme::Accelerator,
+    /// #         loader: &mut ivme::data::DataLoader<ivme::data::TensorDataset<candle_core::Tensor>>)
+    /// #         -> ivme::Result<()> {
+    /// let mut all = Vec::new();
+    /// // One `iter()` per batch leaves the loader free to be read between batches.
+    /// for _ in 0..loader.len() {
+    ///     let Some(batch) = loader.iter().next() else { break };
+    ///     let predictions = batch?; // a model's outputs, one row per sample
+    ///     all.push(accelerator.gather_for_metrics(&predictions, loader)?);
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn gather_for_metrics<D: Dataset>(
+        &self,
+        t: &Tensor,
+        loader: &DataLoader<D>,
+    ) -> Result<Tensor> {
+        self.gather_dropping("gather_for_metrics", t, loader.last_batch_padding())
+    }
+
+    fn gather_dropping(&self, what: &str, t: &Tensor, drop: usize) -> Result<Tensor> {
+        let t = at_least_1d(t)?;
+        let headers = self.exchange_headers(&t, drop)?;
+        let first = &headers[0];
+        for (r, h) in headers.iter().enumerate() {
+            if h.dims.len() != first.dims.len()
+                || h.dims[1..] != first.dims[1..]
+                || h.dtype != first.dtype
+            {
+                return Err(Error::Comm(format!(
+                    "{what}: rank 0 has shape {} but rank {r} has shape {}; the ranks may differ \
+                     only in the first dimension: give every rank the same trailing dimensions \
+                     and dtype",
+                    first.describe(),
+                    h.describe()
+                )));
+            }
+            if h.drop > h.dims[0] {
+                return Err(Error::Usage(format!(
+                    "{what}: rank {r}'s loader padded its last batch with {} samples but the \
+                     tensor has only {} rows; pass the outputs of the batch the loader yielded \
+                     last, one row per sample",
+                    h.drop, h.dims[0]
+                )));
+            }
+        }
+        let max_rows = headers.iter().map(|h| h.dims[0]).max().unwrap_or(0);
+        let rows = t.dims()[0];
+        let mut tail = t.dims().to_vec();
+        if max_rows == 0 {
+            return Ok(t);
+        }
+        let padded = if rows < max_rows {
+            tail[0] = max_rows - rows;
+            let pad = Tensor::zeros(tail.as_slice(), t.dtype(), t.device())?;
+            Tensor::cat(&[&t, &pad], 0)?
+        } else {
+            t
+        };
+        let all = self.comm().all_gather(&padded)?;
+        let mut parts = Vec::with_capacity(headers.len());
+        for (r, h) in headers.iter().enumerate() {
+            let keep = h.dims[0] - h.drop;
+            if keep > 0 {
+                parts.push(all.narrow(0, r * max_rows, keep)?);
+            }
+        }
+        if parts.is_empty() {
+            return Ok(all.narrow(0, 0, 0)?);
+        }
+        Ok(Tensor::cat(&parts, 0)?)
+    }
+
+    /// Combines `t` from every rank element-wise with `op`; every rank gets the result.
+    pub fn reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        self.check_same_shape("reduce", t)?;
+        self.comm().all_reduce(t, op)
+    }
+
+    /// Returns rank `from`'s tensor on every rank.
+    ///
+    /// Only rank `from`'s `t` is read; on the other ranks `t` just names the device the result
+    /// goes to, so its shape and dtype do not matter.
+    pub fn broadcast(&self, t: &Tensor, from: usize) -> Result<Tensor> {
+        self.check_root("broadcast", from)?;
+        let header = serde_json::to_vec(&Header::of(t, 0))?;
+        let header = self.comm().broadcast_bytes(header, from)?;
+        let header: Header = serde_json::from_slice(&header)?;
+        let dtype: DType = header.dtype.parse().map_err(|e| {
+            Error::Comm(format!(
+                "broadcast: rank {from} sent an unknown dtype ({e})"
+            ))
+        })?;
+        let local = if self.process_index() == from {
+            t.clone()
+        } else {
+            Tensor::zeros(header.dims.as_slice(), dtype, t.device())?
+        };
+        self.comm().broadcast(&local, from)
+    }
+
+    /// Pads `t` along `dim` with `pad_value` to the largest size any rank has there, at the
+    /// end (or at the start with `pad_first`), so the ranks' tensors can be gathered.
+    pub fn pad_across_processes(
+        &self,
+        t: &Tensor,
+        dim: usize,
+        pad_value: f64,
+        pad_first: bool,
+    ) -> Result<Tensor> {
+        let headers = self.exchange_headers(t, 0)?;
+        let rank0 = &headers[0];
+        if let Some((r, h)) = headers
+            .iter()
+            .enumerate()
+            .find(|(_, h)| h.dims.len() != rank0.dims.len())
+        {
+            return Err(Error::Comm(format!(
+                "pad_across_processes: rank 0 has shape {} but rank {r} has shape {}; every \
+                 rank needs a tensor with the same number of dimensions",
+                rank0.describe(),
+                h.describe()
+            )));
+        }
+        if dim >= rank0.dims.len() {
+            return Err(Error::Usage(format!(
+                "pad_across_processes: dimension {dim} does not exist in a tensor of shape {:?}; \
+                 pass a dimension below {}",
+                t.dims(),
+                t.rank()
+            )));
+        }
+        let max = headers.iter().map(|h| h.dims[dim]).max().unwrap_or(0);
+        let size = t.dims()[dim];
+        if size == max {
+            return Ok(t.clone());
+        }
+        let mut pad_dims = t.dims().to_vec();
+        pad_dims[dim] = max - size;
+        let pad = filled(&pad_dims, pad_value, t.dtype(), t.device())?;
+        let pieces = if pad_first { [&pad, t] } else { [t, &pad] };
+        Ok(Tensor::cat(&pieces, dim)?)
+    }
+
+    /// Returns this rank's contiguous share of `items`; with an uneven split the first ranks
+    /// get one item more (see [`split_range`]).
+    pub fn split_between_processes<T: Clone>(&self, items: &[T]) -> Vec<T> {
+        items[split_range(items.len(), self.process_index(), self.num_processes())].to_vec()
+    }
+
+    /// Like [`split_between_processes`](Self::split_between_processes), but every rank gets
+    /// the same number of items: shorter shares repeat their last item (see [`split_padded`]).
+    pub fn split_between_processes_padded<T: Clone>(&self, items: &[T]) -> Vec<T> {
+        split_padded(items, self.process_index(), self.num_processes())
+    }
+
+    /// Returns every rank's `value`, in rank order, sent as JSON.
+    pub fn gather_object<T: Serialize + DeserializeOwned>(&self, value: &T) -> Result<Vec<T>> {
+        let payload = encode_object(Some(value));
+        let all = self.comm().all_gather_bytes(&payload)?;
+        all.iter()
+            .enumerate()
+            .map(|(r, bytes)| decode_object("gather_object", r, bytes))
+            .collect()
+    }
+
+    /// Returns rank `from`'s value on every rank, sent as JSON.
+    ///
+    /// Rank `from` must pass `Some`; the other ranks' values are ignored, so they may pass
+    /// `None` (`accelerator.is_main_process().then_some(&value)` reads well for `from = 0`).
+    pub fn broadcast_object<T: Serialize + DeserializeOwned>(
+        &self,
+        value: Option<&T>,
+        from: usize,
+    ) -> Result<T> {
+        self.check_root("broadcast_object", from)?;
+        let payload = if self.process_index() == from {
+            encode_object(value)
+        } else {
+            Vec::new()
+        };
+        let bytes = self.comm().broadcast_bytes(payload, from)?;
+        decode_object("broadcast_object", from, &bytes)
+    }
+
+    fn check_root(&self, what: &str, from: usize) -> Result<()> {
+        if from >= self.num_processes() {
+            return Err(Error::Usage(format!(
+                "{what}: rank {from} does not exist in a run of {} processes; pass a rank below \
+                 {}",
+                self.num_processes(),
+                self.num_processes()
+            )));
+        }
+        Ok(())
+    }
+}
+
+// A leading byte says whether JSON or an error message follows, so a rank that cannot encode
+// its value makes every rank fail instead of leaving them waiting.
+const OBJECT_OK: u8 = 1;
+const OBJECT_ERR: u8 = 0;
+
+fn encode_object<T: Serialize>(value: Option<&T>) -> Vec<u8> {
+    let encoded = match value {
+        Some(v) => serde_json::to_vec(v).map_err(|e| e.to_string()),
+        None => Err("it passed None as the value to send; pass Some(value) on that rank".into()),
+    };
+    match encoded {
+        Ok(json) => [vec![OBJECT_OK], json].concat(),
+        Err(msg) => [vec![OBJECT_ERR], msg.into_bytes()].concat(),
+    }
+}
+
+fn decode_object<T: DeserializeOwned>(what: &str, rank: usize, bytes: &[u8]) -> Result<T> {
+    match bytes.split_first() {
+        Some((&OBJECT_OK, json)) => serde_json::from_slice(json).map_err(|e| {
+            Error::Comm(format!(
+                "{what}: rank {rank}'s value does not read back as the requested type ({e}); \
+                 every rank must use the same type"
+            ))
+        }),
+        Some((_, msg)) => Err(Error::Comm(format!(
+            "{what}: rank {rank} could not send its value: {}",
+            String::from_utf8_lossy(msg)
+        ))),
+        None => Err(Error::Comm(format!("{what}: rank {rank} sent nothing"))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn split_range_covers_every_item_once_with_first_ranks_larger() {
+        for len in 0..12 {
+            for world in 1..5 {
+                let ranges: Vec<_> = (0..world).map(|r| split_range(len, r, world)).collect();
+                let flat: Vec<usize> = ranges.iter().flat_map(|r| r.clone()).collect();
+                assert_eq!(
+                    flat,
+                    (0..len).collect::<Vec<_>>(),
+                    "len {len} world {world}"
+                );
+                let sizes: Vec<usize> = ranges.iter().map(|r| r.len()).collect();
+                assert!(sizes.windows(2).all(|w| w[0] >= w[1] && w[0] - w[1] <= 1));
+            }
+        }
+        assert_eq!(split_range(7, 0, 2), 0..4);
+        assert_eq!(split_range(7, 1, 2), 4..7);
+        assert_eq!(split_range(3, 5, 2), 0..0);
+    }
+
+    #[test]
+    fn split_padded_repeats_the_last_item() {
+        let items = ['a', 'b', 'c', 'd', 'e'];
+        assert_eq!(split_padded(&items, 0, 2), ['a', 'b', 'c']);
+        assert_eq!(split_padded(&items, 1, 2), ['d', 'e', 'e']);
+        // Fewer items than ranks: an empty share borrows the list's last item.
+        assert_eq!(split_padded(&items[..1], 1, 3), ['a']);
+        assert!(split_padded::<char>(&[], 0, 2).is_empty());
+    }
+
+    #[test]
+    fn object_payloads_round_trip_and_report_failures() {
+        let bytes = encode_object(Some(&vec![1u32, 2, 3]));
+        let back: Vec<u32> = decode_object("t", 0, &bytes).unwrap();
+        assert_eq!(back, [1, 2, 3]);
+        let err = decode_object::<u32>("t", 2, &encode_object::<u32>(None)).unwrap_err();
+        assert!(err.to_string().contains("rank 2"), "{err}");
+        let err = decode_object::<String>("t", 1, &bytes).unwrap_err();
+        assert!(err.to_string().contains("same type"), "{err}");
+    }
+
+    #[test]
+    fn single_process_collectives_are_identities() -> Result<()> {
+        let acc = Accelerator::builder().cpu(true).build()?;
+        let t = Tensor::new(&[[1f32, 2.], [3., 4.]], &Device::Cpu)?;
+        assert_eq!(acc.gather(&t)?.to_vec2::<f32>()?, t.to_vec2::<f32>()?);
+        assert_eq!(
+            acc.reduce(&t, ReduceOp::Sum)?.to_vec2::<f32>()?,
+            t.to_vec2::<f32>()?
+        );
+        let s = acc.gather(&Tensor::new(5f32, &Device::Cpu)?)?;
+        assert_eq!(s.to_vec1::<f32>()?, [5.]);
+        let p = acc.pad_across_processes(&t, 1, -1.0, false)?;
+        assert_eq!(p.dims(), [2, 2]);
+        assert!(acc.pad_across_processes(&t, 2, 0.0, false).is_err());
+        assert!(acc.broadcast(&t, 1).is_err());
+        assert_eq!(acc.gather_object(&"x".to_string())?, ["x"]);
+        assert_eq!(acc.broadcast_object(Some(&7u8), 0)?, 7);
+        assert_eq!(acc.split_between_processes(&[1, 2, 3]), [1, 2, 3]);
+        Ok(())
+    }
+
+    #[test]
+    fn filled_builds_padding_in_the_tensor_dtype() -> Result<()> {
+        let t = filled(&[2, 1], -1.0, DType::I64, &Device::Cpu)?;
+        assert_eq!(t.to_vec2::<i64>()?, [[-1], [-1]]);
+        Ok(())
+    }
+}
