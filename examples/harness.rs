@@ -3,31 +3,55 @@
 //! rates) to `out/rank{R}.json` so a test can compare it with plain candle.
 //!
 //! Arguments are `key=value`: `opt=sgd|adamw steps=K batch=B n=N accum=A precision=no|fp16|bf16
-//! lr=F momentum=F clip_norm=F clip_value=F shuffle=0|1 sched=none|step loss_scale=F init_scale=F inject_inf_at=I out=DIR`.
+//! lr=F momentum=F clip_norm=F clip_value=F shuffle=0|1 sched=none|step|warmup dropout=P project=DIR save_at=K resume=1 break=rng|loader|scheduler|optimizer loss_scale=F init_scale=F inject_inf_at=I out=DIR`.
 
 use candle_core::{DType, Module, Tensor};
 use candle_nn::{linear, Linear, Optimizer, VarBuilder, VarMap};
 use ivme::data::{DataLoader, TensorDataset};
-use ivme::optim::{AdamW, LrScheduler, ParamsAdamW, ParamsSgd, Sgd, StepLr};
+use ivme::checkpoint::ProjectConfiguration;
+use ivme::optim::{AdamW, LrScheduler, ParamsAdamW, ParamsSgd, Sgd, StepLr, WarmupLinear};
 use ivme::rng::Rng;
+use ivme::stateful::{Shared, StateDict, Stateful};
+use ivme::optim::{Linked, StatefulOptimizer};
 use ivme::{Accelerator, Gradients, Precision};
 use std::collections::BTreeMap;
 
-/// The MLP every multi-process test trains: 4 → 8 (tanh) → 1.
+/// The MLP every multi-process test trains: 4 → 8 (tanh, optional dropout) → 1.
 pub struct Mlp {
     a: Linear,
     b: Linear,
+    // Dropout draws from the Accelerator's saved generator, so a resumed run draws the same.
+    dropout: Option<(f32, Shared<Rng>)>,
 }
 
 impl Mlp {
-    fn new(vb: VarBuilder) -> candle_core::Result<Self> {
-        Ok(Mlp { a: linear(4, 8, vb.pp("a"))?, b: linear(8, 1, vb.pp("b"))? })
+    fn new(vb: VarBuilder, dropout: Option<(f32, Shared<Rng>)>) -> candle_core::Result<Self> {
+        Ok(Mlp { a: linear(4, 8, vb.pp("a"))?, b: linear(8, 1, vb.pp("b"))?, dropout })
     }
 }
 
 impl Module for Mlp {
     fn forward(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
-        self.b.forward(&self.a.forward(xs)?.tanh()?)
+        let mut h = self.a.forward(xs)?.tanh()?;
+        if let Some((p, rng)) = &self.dropout {
+            h = rng.lock().dropout(&h, *p)?;
+        }
+        self.b.forward(&h)
+    }
+}
+
+/// How many micro-steps this run has done, saved with the state so a resumed run knows.
+struct Progress {
+    micro: u64,
+}
+
+impl Stateful for Progress {
+    fn state_dict(&self) -> ivme::Result<StateDict> {
+        Ok(StateDict::json(serde_json::json!({ "micro": self.micro })))
+    }
+    fn load_state_dict(&mut self, state: &StateDict) -> ivme::Result<()> {
+        self.micro = state.json["micro"].as_u64().unwrap_or(0);
+        Ok(())
     }
 }
 
@@ -97,7 +121,9 @@ fn main() -> ivme::Result<()> {
     let rank = acc.process_index();
 
     let varmap = VarMap::new();
-    let model = Mlp::new(VarBuilder::from_varmap(&varmap, acc.param_dtype(DType::F32), &dev))?;
+    let dropout: f32 = args.get("dropout", 0.0);
+    let dropout = (dropout > 0.0).then(|| (dropout, acc.rng()));
+    let model = Mlp::new(VarBuilder::from_varmap(&varmap, acc.param_dtype(DType::F32), &dev), dropout)?;
     // Each rank starts from different weights: prepare must make them all rank 0's.
     init_weights(&varmap, 1 + 1000 * rank as u64)?;
 
@@ -123,9 +149,44 @@ fn main() -> ivme::Result<()> {
     let mut sched = match (args.str("sched", "none").as_str(), &opt) {
         ("step", Opt::Sgd(o)) => Some(LrScheduler::new(o, StepLr::new(1, 0.5)?)),
         ("step", Opt::AdamW(o)) => Some(LrScheduler::new(o, StepLr::new(1, 0.5)?)),
+        ("warmup", Opt::Sgd(o)) => Some(LrScheduler::new(o, WarmupLinear::new(4, 30)?)),
+        ("warmup", Opt::AdamW(o)) => Some(LrScheduler::new(o, WarmupLinear::new(4, 30)?)),
         _ => None,
     };
 
+    if let Some(dir) = args.0.get("project") {
+        acc.set_project_configuration(
+            ProjectConfiguration::new(dir).automatic_checkpoint_naming(true).total_limit(2),
+        )?;
+    }
+    let progress = acc.register_for_checkpointing(Progress { micro: 0 });
+    if args.get("resume", 0u8) == 1 {
+        acc.load_state(None)?;
+        // Negative controls: throw away one restored piece to show the tests would notice.
+        match args.str("break", "none").as_str() {
+            "rng" => *acc.rng().lock() = Rng::new(12345),
+            "loader" => {
+                let mut p = loader.position();
+                p.consumed = 0;
+                loader.set_position(p)?;
+            }
+            // The scheduler's whole state is the real-step count it reads from the optimizer.
+            "scheduler" => match &opt {
+                Opt::Sgd(o) => o.link().set_steps(0),
+                Opt::AdamW(o) => o.link().set_steps(0),
+            },
+            "optimizer" => {
+                if let Opt::AdamW(o) = &mut opt {
+                    let fresh = AdamW::new(o.inner().vars().to_vec(), ParamsAdamW { lr: o.learning_rate(), weight_decay: 0.01, ..Default::default() })?;
+                    let mut st = fresh.state_dict()?;
+                    st.scalars["step"] = o.inner().state_dict()?.scalars["step"].clone();
+                    o.inner().load_state_dict(&st)?;
+                }
+            }
+            _ => {}
+        }
+    }
+    let save_at: u64 = args.get("save_at", 0);
     let steps: usize = args.get("steps", 4);
     let inject_inf_at: i64 = args.get("inject_inf_at", -1);
     let mut micro = Vec::new();
@@ -157,7 +218,16 @@ fn main() -> ivme::Result<()> {
                 "param_sum": param_sum(&acc)?,
             }));
             micro_index += 1;
-            if micro.len() >= steps {
+            let done = {
+                let mut p = progress.lock();
+                p.micro += 1;
+                p.micro
+            };
+            if done == save_at {
+                acc.save_state(None)?;
+                return Ok(());
+            }
+            if done as usize >= steps {
                 break 'outer;
             }
         }

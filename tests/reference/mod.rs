@@ -21,14 +21,18 @@ impl Module for Mlp {
 pub fn model() -> (VarMap, Mlp) {
     let varmap = VarMap::new();
     let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
-    let m = Mlp { a: linear(4, 8, vb.pp("a")).unwrap(), b: linear(8, 1, vb.pp("b")).unwrap() };
+    let m = Mlp {
+        a: linear(4, 8, vb.pp("a")).unwrap(),
+        b: linear(8, 1, vb.pp("b")).unwrap(),
+    };
     let mut rng = ivme::rng::Rng::new(1);
     let data = varmap.data().lock().unwrap();
     let mut names: Vec<&String> = data.keys().collect();
     names.sort();
     for name in names {
         let v = &data[name];
-        v.set(&rng.randn(0.0, 0.5, v.shape(), &Device::Cpu).unwrap()).unwrap();
+        v.set(&rng.randn(0.0, 0.5, v.shape(), &Device::Cpu).unwrap())
+            .unwrap();
     }
     drop(data);
     (varmap, m)
@@ -46,14 +50,22 @@ pub fn data(n: usize) -> (Tensor, Tensor) {
 /// Gradients of the mean squared error of `m` on samples `idx`.
 #[allow(dead_code)]
 pub fn loss_on(m: &Mlp, x: &Tensor, y: &Tensor, idx: &[usize]) -> Tensor {
-    let i = Tensor::new(idx.iter().map(|&i| i as u32).collect::<Vec<_>>(), &Device::Cpu).unwrap();
+    let i = Tensor::new(
+        idx.iter().map(|&i| i as u32).collect::<Vec<_>>(),
+        &Device::Cpu,
+    )
+    .unwrap();
     let out = m.forward(&x.index_select(&i, 0).unwrap()).unwrap();
     candle_nn::loss::mse(&out, &y.index_select(&i, 0).unwrap()).unwrap()
 }
 
 /// Trains with candle-nn's optimizer `O` on each global batch in `batches`.
 #[allow(dead_code)]
-pub fn train<O: Optimizer>(n: usize, batches: &[Vec<usize>], cfg: O::Config) -> BTreeMap<String, Vec<f32>> {
+pub fn train<O: Optimizer>(
+    n: usize,
+    batches: &[Vec<usize>],
+    cfg: O::Config,
+) -> BTreeMap<String, Vec<f32>> {
     let (varmap, m) = model();
     let (x, y) = data(n);
     let mut opt = O::new(varmap.all_vars(), cfg).unwrap();
@@ -71,7 +83,16 @@ pub fn params(varmap: &VarMap) -> BTreeMap<String, Vec<f32>> {
         .lock()
         .unwrap()
         .iter()
-        .map(|(k, v)| (k.clone(), v.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap()))
+        .map(|(k, v)| {
+            (
+                k.clone(),
+                v.as_tensor()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap(),
+            )
+        })
         .collect()
 }
 
@@ -84,7 +105,11 @@ pub fn chunks(order: &[usize], size: usize, count: usize) -> Vec<Vec<usize>> {
 /// The largest absolute difference between two sets of parameters with the same names.
 #[allow(dead_code)]
 pub fn max_diff(a: &BTreeMap<String, Vec<f32>>, b: &BTreeMap<String, Vec<f32>>) -> f32 {
-    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>(), "different variables");
+    assert_eq!(
+        a.keys().collect::<Vec<_>>(),
+        b.keys().collect::<Vec<_>>(),
+        "different variables"
+    );
     a.iter()
         .flat_map(|(k, va)| va.iter().zip(&b[k]).map(|(x, y)| (x - y).abs()))
         .fold(0.0, f32::max)

@@ -1,0 +1,26 @@
+//! Saving and loading: Hugging Face model files and crash-safe, verified training checkpoints.
+//!
+//! - [`model`]: `model.safetensors` or numbered shards with an index json, the layout the
+//!   Hugging Face ecosystem reads; loading checks names and shapes before touching a variable.
+//! - [`store`]: per-rank training state in a folder that becomes a checkpoint only when a
+//!   manifest of every file's checksum is written last and the folder is renamed into place.
+//! - [`project`]: automatic `checkpoint_{n}` naming, finding the newest valid checkpoint, and
+//!   rotation.
+//!
+//! These are plain functions over tensors, JSON and paths; the [`Accelerator`](crate::Accelerator)
+//! gathers the state and puts barriers between the steps.
+
+mod format;
+mod fsio;
+pub mod model;
+pub mod project;
+pub mod store;
+
+pub use model::{
+    load_checkpoint_in_model, read_safetensors_metadata, save_model, LoadReport, ShardSize,
+};
+pub use project::{latest_valid, rotate, ProjectConfiguration};
+pub use store::{
+    begin, clean_stale, commit, read_rank, verify, Cleaned, Component, FileEntry, Manifest,
+    ManifestMeta, RankState,
+};
