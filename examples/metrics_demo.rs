@@ -59,13 +59,9 @@ fn gather_for_metrics(acc: &mut Accelerator, n: usize, batch: usize) -> Result<(
     let ids = Tensor::arange(0u32, n as u32, &Device::Cpu)?;
     let mut loader = acc.prepare(DataLoader::new(TensorDataset::new(ids)?, batch))?;
     let (mut kept, mut raw) = (Vec::new(), Vec::new());
-    // One `iter()` per batch, so the loader is free to be read between batches.
-    for _ in 0..loader.len() {
-        let Some(batch) = loader.iter().next() else {
-            break;
-        };
+    for batch in loader.iter() {
         let batch = batch?;
-        kept.extend(acc.gather_for_metrics(&batch, &loader)?.to_vec1::<u32>()?);
+        kept.extend(acc.gather_for_metrics(&batch)?.to_vec1::<u32>()?);
         raw.extend(acc.gather(&batch)?.to_vec1::<u32>()?);
     }
     show(acc, "kept", json!(kept))?;

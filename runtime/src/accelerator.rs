@@ -157,6 +157,7 @@ impl AcceleratorBuilder {
             loaders: Vec::new(),
             registered: Vec::new(),
             project: None,
+            trackers: Shared::new(None),
             // Rank-specific streams: dropout on different data must not share masks.
             rng: Shared::new(Rng::new(mix(self.seed.unwrap_or(0), rank as u64))),
         })
@@ -204,6 +205,7 @@ pub struct Accelerator {
     pub(crate) loaders: Vec<Shared<crate::data::LoaderPosition>>,
     pub(crate) registered: Vec<Box<dyn Stateful>>,
     pub(crate) project: Option<crate::checkpoint::ProjectConfiguration>,
+    pub(crate) trackers: Shared<Option<crate::tracking::Trackers>>,
     pub(crate) scaler: Option<LossScaler>,
     pub(crate) grad_state: Arc<GradientState>,
 }
@@ -459,7 +461,7 @@ impl Accelerator {
     /// windows then end exactly where the data does.
     pub fn micro_step(&self, index: usize, batches_in_epoch: usize) {
         use crate::data::StepObserver;
-        self.grad_state.on_batch(index, batches_in_epoch);
+        self.grad_state.on_batch(index, batches_in_epoch, 0);
     }
 
     /// Computes gradients of `loss`: scaled for fp16 and for its accumulation window,

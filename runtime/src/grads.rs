@@ -135,6 +135,8 @@ struct Cursor {
     pending: Option<MicroStep>,
     // Without data reports, each backward call is the next micro-batch.
     auto_index: u64,
+    // Padding samples at the end of the batch handed out last (for gather_for_metrics).
+    last_padding: usize,
 }
 
 /// Tracks accumulation windows for one Accelerator.
@@ -191,6 +193,11 @@ impl GradientState {
         step
     }
 
+    /// Padding samples at the end of the batch a prepared data source handed out last.
+    pub fn last_padding(&self) -> usize {
+        self.lock().last_padding
+    }
+
     /// The automatic micro-step counter (for checkpoints).
     pub fn auto_index(&self) -> u64 {
         self.lock().auto_index
@@ -203,11 +210,12 @@ impl GradientState {
 }
 
 impl StepObserver for GradientState {
-    fn on_batch(&self, index: usize, batches_in_epoch: usize) {
+    fn on_batch(&self, index: usize, batches_in_epoch: usize, padding: usize) {
         let step = Self::locate(self.accum, index, batches_in_epoch);
         let mut c = self.lock();
         c.data_driven = true;
         c.pending = Some(step);
+        c.last_padding = padding;
     }
 }
 
@@ -357,7 +365,7 @@ mod tests {
     #[test]
     fn data_reports_drive_the_windows() {
         let s = GradientState::new(3);
-        s.on_batch(3, 4);
+        s.on_batch(3, 4, 0);
         assert_eq!(s.for_backward(), MicroStep { window: 1, sync: true });
         // A second backward on the same batch (a second model) is the same micro-step.
         assert_eq!(s.for_backward(), MicroStep { window: 1, sync: true });

@@ -50,6 +50,8 @@ pub trait ShardSource {
 /// last round padded from the start so every rank runs the same number of steps.
 pub struct Sharded<T> {
     batches: std::vec::IntoIter<T>,
+    // 1 for a batch repeated only to even out the ranks
+    padding: Vec<usize>,
     len: usize,
     next: usize,
     observer: std::sync::Arc<crate::grads::GradientState>,
@@ -59,7 +61,8 @@ impl<T: ToDevice> Iterator for Sharded<T> {
     type Item = T;
     fn next(&mut self) -> Option<T> {
         let batch = self.batches.next()?;
-        self.observer.on_batch(self.next, self.len);
+        let padding = self.padding.get(self.next).copied().unwrap_or(0);
+        self.observer.on_batch(self.next, self.len, padding);
         self.next += 1;
         Some(batch)
     }
@@ -70,12 +73,15 @@ impl<T: ToDevice> Iterator for Sharded<T> {
 fn shard_vec<T: ToDevice>(items: &[T], accelerator: &Accelerator) -> Result<Sharded<T>> {
     let order: Vec<usize> = (0..items.len()).collect();
     let device = accelerator.device();
-    let mine = plan_epoch(&order, 1, accelerator.num_processes(), accelerator.process_index(), false, true)
-        .into_iter()
-        .flat_map(|b| b.indices)
-        .map(|i| items[i].to_device(device))
+    let plan = plan_epoch(&order, 1, accelerator.num_processes(), accelerator.process_index(), false, true);
+    let padding = plan.iter().map(|b| b.padding).collect();
+    let mine = plan
+        .iter()
+        .flat_map(|b| &b.indices)
+        .map(|&i| items[i].to_device(device))
         .collect::<candle_core::Result<Vec<T>>>()?;
     Ok(Sharded {
+        padding,
         len: mine.len(),
         batches: mine.into_iter(),
         next: 0,

@@ -6,7 +6,6 @@
 //! of leaving the others waiting in a collective that can never complete.
 
 use crate::comm::ReduceOp;
-use crate::data::{DataLoader, Dataset};
 use crate::{Accelerator, Error, Result};
 use candle_core::{DType, Device, Tensor};
 use serde::de::DeserializeOwned;
@@ -116,29 +115,23 @@ impl Accelerator {
     /// Gathers like [`gather`](Self::gather), then drops the rows that padded each rank's last
     /// batch, so every sample of the epoch counts exactly once.
     ///
-    /// Call it on the outputs of the batch `loader` yielded last (its
-    /// [`last_batch_padding`](DataLoader::last_batch_padding) says how many of this rank's
-    /// trailing rows are padding). For an unshuffled loader the result is in dataset order.
+    /// Call it on the outputs of the batch a prepared loader (or the macro's sharded batch
+    /// loop) handed out last: the Accelerator knows how many of this rank's trailing rows
+    /// were padding. For an unshuffled loader the result is in dataset order.
     ///
     /// ```no_run
     /// # fn demo(accelerator: &ivme::Accelerator,
     /// #         loader: &mut ivme::data::DataLoader<ivme::data::TensorDataset<candle_core::Tensor>>)
     /// #         -> ivme::Result<()> {
     /// let mut all = Vec::new();
-    /// // One `iter()` per batch leaves the loader free to be read between batches.
-    /// for _ in 0..loader.len() {
-    ///     let Some(batch) = loader.iter().next() else { break };
+    /// for batch in loader.iter() {
     ///     let predictions = batch?; // a model's outputs, one row per sample
-    ///     all.push(accelerator.gather_for_metrics(&predictions, loader)?);
+    ///     all.push(accelerator.gather_for_metrics(&predictions)?);
     /// }
     /// # Ok(()) }
     /// ```
-    pub fn gather_for_metrics<D: Dataset>(
-        &self,
-        t: &Tensor,
-        loader: &DataLoader<D>,
-    ) -> Result<Tensor> {
-        self.gather_dropping("gather_for_metrics", t, loader.last_batch_padding())
+    pub fn gather_for_metrics(&self, t: &Tensor) -> Result<Tensor> {
+        self.gather_dropping("gather_for_metrics", t, self.grad_state.last_padding())
     }
 
     fn gather_dropping(&self, what: &str, t: &Tensor, drop: usize) -> Result<Tensor> {

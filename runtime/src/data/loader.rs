@@ -341,7 +341,7 @@ impl<D: Dataset> DataLoader<D> {
         self.last_padding = planned.padding;
         if batch.is_ok() {
             if let Some(observer) = &self.observer {
-                observer.on_batch(index, plan.len());
+                observer.on_batch(index, plan.len(), planned.padding);
             }
         }
         Some(batch)
@@ -427,7 +427,7 @@ mod tests {
     struct Recorder(Mutex<Vec<(usize, usize)>>);
 
     impl StepObserver for Recorder {
-        fn on_batch(&self, index: usize, batches_in_epoch: usize) {
+        fn on_batch(&self, index: usize, batches_in_epoch: usize, _padding: usize) {
             if let Ok(mut seen) = self.0.lock() {
                 seen.push((index, batches_in_epoch));
             }

@@ -11,6 +11,7 @@ pub use loader::{Batches, DataLoader, LoaderPosition};
 /// Told about every batch a prepared loader hands out, so gradient accumulation knows where
 /// each accumulation window starts and ends (including a short last window).
 pub trait StepObserver: Send + Sync {
-    /// Batch `index` (0-based, within the epoch) of `batches_in_epoch` is about to be used.
-    fn on_batch(&self, index: usize, batches_in_epoch: usize);
+    /// Batch `index` (0-based, within the epoch) of `batches_in_epoch` is about to be used;
+    /// its last `padding` samples only even out the ranks.
+    fn on_batch(&self, index: usize, batches_in_epoch: usize, padding: usize);
 }

@@ -32,7 +32,6 @@ use crate::{Accelerator, Error, Result};
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
 
 /// Somewhere metrics go: a file format, a service. Implement it to add your own.
 ///
@@ -161,18 +160,11 @@ pub(crate) fn wall_time() -> f64 {
         .map_or(0.0, |d| d.as_secs_f64())
 }
 
-// The Accelerator's struct is owned by another module, so its open trackers live here, one
-// set per process: a program has one Accelerator (MPI can be started once per process).
-static ACTIVE: Mutex<Option<Trackers>> = Mutex::new(None);
-
-fn with_active<T>(f: impl FnOnce(&mut Option<Trackers>) -> Result<T>) -> Result<T> {
-    let mut slot = ACTIVE
-        .lock()
-        .map_err(|_| Error::Usage("the trackers' lock is poisoned by an earlier panic".into()))?;
-    f(&mut slot)
-}
-
 impl Accelerator {
+    fn with_active<T>(&self, f: impl FnOnce(&mut Option<Trackers>) -> Result<T>) -> Result<T> {
+        f(&mut self.trackers.lock())
+    }
+
     /// Opens `trackers` for a run of `project` with its `config` (any serde value), on the main
     /// process only: the other processes create no files and their `log` calls do nothing.
     ///
@@ -185,7 +177,7 @@ impl Accelerator {
         trackers: Vec<Box<dyn Tracker>>,
     ) -> Result<()> {
         let config = serde_json::to_value(config)?;
-        with_active(|slot| {
+        self.with_active(|slot| {
             if slot.as_ref().is_some_and(|t| !t.finished) {
                 return Err(Error::Usage(
                     "init_trackers was called twice; call end_training before starting a new run"
@@ -211,7 +203,7 @@ impl Accelerator {
     ) -> Result<()> {
         let values: BTreeMap<String, f64> =
             values.into_iter().map(|(k, v)| (k.into(), v)).collect();
-        with_active(|slot| match slot {
+        self.with_active(|slot| match slot {
             Some(trackers) => trackers.log(&values, step),
             None => Err(Error::Usage(
                 "log needs trackers: call init_trackers(project, config, trackers) first".into(),
@@ -222,7 +214,7 @@ impl Accelerator {
     /// Finishes every tracker (flushing and closing files), then waits for every process so
     /// none exits while the main one is still writing.
     pub fn end_training(&self) -> Result<()> {
-        let finished = with_active(|slot| match slot.take() {
+        let finished = self.with_active(|slot| match slot.take() {
             Some(mut trackers) => trackers.finish(),
             None => Ok(()),
         });
