@@ -2,186 +2,24 @@
 //! precision and data, with one code path for one process and for many.
 
 use crate::autocast::{Autocast, AutocastOutput};
-use crate::comm::{self, Communicator, Counted};
-use crate::config::{resolve, Precision, Resolved};
+use crate::comm::{Communicator, Counted};
+use crate::config::Precision;
 use crate::error::{Error, Result};
 use crate::grads::{GradientState, Gradients, MicroStep, ParamSet};
 use crate::optim::accelerated::OptimizerSlot;
 use crate::optim::{AcceleratedOptimizer, StatefulOptimizer};
-use crate::rng::{mix, Rng};
-use crate::stateful::{Shared, Stateful};
 use crate::prepare::Prepare;
+use crate::rng::{mix, Rng};
 use crate::scaler::LossScaler;
-use crate::state::{select_device, EnvLayout, ProcessState};
+use crate::state::ProcessState;
+use crate::stateful::{Shared, Stateful};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
+
+pub use crate::builder::AcceleratorBuilder;
 use candle_nn::VarMap;
 use std::fmt::Display;
 use std::sync::Arc;
-
-/// Settings for an [`Accelerator`]; anything left unset comes from the launcher's
-/// environment (`IVME_*`), then from the defaults.
-#[derive(Debug, Clone, Default)]
-pub struct AcceleratorBuilder {
-    grad_accum: Option<usize>,
-    precision: Option<Precision>,
-    cpu: Option<bool>,
-    clip_grad_norm: Option<f64>,
-    clip_grad_value: Option<f64>,
-    seed: Option<u64>,
-    bucket_mb: Option<usize>,
-    initial_loss_scale: Option<f64>,
-}
-
-impl AcceleratorBuilder {
-    /// The fp16 loss scale to start from (65536 by default); it adapts while training.
-    pub fn initial_loss_scale(mut self, scale: f64) -> Self {
-        self.initial_loss_scale = Some(scale);
-        self
-    }
-    /// Accumulates gradients over `n` micro-batches per optimizer step (`n >= 1`).
-    pub fn grad_accum(mut self, n: usize) -> Self {
-        self.grad_accum = Some(n);
-        self
-    }
-    /// Sets the compute precision.
-    pub fn precision(mut self, p: Precision) -> Self {
-        self.precision = Some(p);
-        self
-    }
-    /// Forces the CPU even when a GPU is present.
-    pub fn cpu(mut self, cpu: bool) -> Self {
-        self.cpu = Some(cpu);
-        self
-    }
-    /// Clips the synced gradients to this global L2 norm before every real step.
-    pub fn clip_grad_norm(mut self, max_norm: f64) -> Self {
-        self.clip_grad_norm = Some(max_norm);
-        self
-    }
-    /// Clamps the synced gradients to `[-v, v]` before every real step.
-    pub fn clip_grad_value(mut self, v: f64) -> Self {
-        self.clip_grad_value = Some(v);
-        self
-    }
-    /// The seed for ivme's generators (shuffling and the like).
-    pub fn seed(mut self, seed: u64) -> Self {
-        self.seed = Some(seed);
-        self
-    }
-    /// The size of the buffers gradients are flattened into for averaging, in MiB.
-    pub fn bucket_size_mb(mut self, mb: usize) -> Self {
-        self.bucket_mb = Some(mb);
-        self
-    }
-
-    /// Resolves the settings, joins the distributed run and builds the Accelerator.
-    pub fn build(self) -> Result<Accelerator> {
-        let mut warnings = Vec::new();
-        let mut take = |w: Option<String>| warnings.extend(w);
-        let (grad_accum, w) = resolve("grad_accum", self.grad_accum, "IVME_GRAD_ACCUM", 1usize)?;
-        take(w);
-        let (precision, w) = resolve("precision", self.precision, "IVME_PRECISION", Precision::No)?;
-        take(w);
-        let (cpu, w) = resolve("cpu", self.cpu, "IVME_CPU", false).or_else(|_| {
-            // Launchers write 0/1 for booleans.
-            let raw = std::env::var("IVME_CPU").unwrap_or_default();
-            Ok::<_, Error>((
-                Resolved { value: self.cpu.unwrap_or(raw.trim() == "1"), source: crate::config::Source::Launcher },
-                None,
-            ))
-        })?;
-        take(w);
-        if grad_accum.value == 0 {
-            return Err(Error::config("grad_accum", 0, "use 1 (no accumulation) or more"));
-        }
-        if let (Some(_), Some(_)) = (self.clip_grad_norm, self.clip_grad_value) {
-            return Err(Error::config(
-                "clip_grad_norm",
-                "set together with clip_grad_value",
-                "choose one kind of clipping",
-            ));
-        }
-        for (k, v) in [("clip_grad_norm", self.clip_grad_norm), ("clip_grad_value", self.clip_grad_value)] {
-            if let Some(v) = v {
-                if !(v > 0.0 && v.is_finite()) {
-                    return Err(Error::config(k, v, "use a positive, finite number"));
-                }
-            }
-        }
-
-        if let Some(s) = self.initial_loss_scale {
-            if !(s > 0.0 && s.is_finite()) {
-                return Err(Error::config("initial_loss_scale", s, "use a positive, finite scale such as 65536"));
-            }
-        }
-
-        let layout = EnvLayout::from_env()?;
-        let (rank, world, local_rank, local_world) = match layout {
-            Some(l) => (l.rank, l.world_size, l.local_rank, l.local_world_size),
-            None => (0, 1, 0, 1),
-        };
-        let comm = comm::open(world)?;
-        if comm.world_size() != world || comm.rank() != rank {
-            return Err(Error::Setup(format!(
-                "the environment says rank {rank} of {world} but {} says rank {} of {}; start \
-                 the program with `ivme launch` or a matching mpirun",
-                comm.name(),
-                comm.rank(),
-                comm.world_size()
-            )));
-        }
-        let device = select_device(local_rank, cpu.value)?;
-        check_precision(precision.value, &device)?;
-        let state = ProcessState { rank, world_size: world, local_rank, local_world_size: local_world, device };
-        if state.is_main_process() {
-            for w in &warnings {
-                eprintln!("{w}");
-            }
-        }
-        Ok(Accelerator {
-            grad_state: Arc::new(GradientState::new(grad_accum.value)),
-            scaler: (precision.value == Precision::Fp16).then(|| LossScaler {
-                scale: self.initial_loss_scale.unwrap_or(LossScaler::default().scale),
-                ..LossScaler::default()
-            }),
-            state,
-            comm: Counted::new(comm),
-            precision: precision.value,
-            clip_norm: self.clip_grad_norm,
-            clip_value: self.clip_grad_value,
-            seed: self.seed.unwrap_or(0),
-            bucket_bytes: self.bucket_mb.unwrap_or(25).max(1) << 20,
-            models: Vec::new(),
-            optimizers: Vec::new(),
-            loaders: Vec::new(),
-            registered: Vec::new(),
-            project: None,
-            trackers: Shared::new(None),
-            // Rank-specific streams: dropout on different data must not share masks.
-            rng: Shared::new(Rng::new(mix(self.seed.unwrap_or(0), rank as u64))),
-        })
-    }
-}
-
-/// Refuses a precision the device cannot run, rather than silently training in f32.
-fn check_precision(p: Precision, device: &Device) -> Result<()> {
-    if p == Precision::No {
-        return Ok(());
-    }
-    let dt = p.compute_dtype();
-    let probe = || -> candle_core::Result<()> {
-        let a = Tensor::ones((2, 2), dt, device)?;
-        a.matmul(&a)?.to_dtype(DType::F32)?.sum_all()?.to_scalar::<f32>()?;
-        Ok(())
-    };
-    probe().map_err(|e| {
-        Error::Precision(format!(
-            "{p} is not supported on {device:?} by this build ({e}); use precision \"no\" or \
-             another device"
-        ))
-    })
-}
 
 /// The entry point: knows the distributed setup and drives gradients, precision and data.
 ///
@@ -192,13 +30,13 @@ fn check_precision(p: Precision, device: &Device) -> Result<()> {
 /// # Ok(()) }
 /// ```
 pub struct Accelerator {
-    state: ProcessState,
-    comm: Counted,
-    precision: Precision,
-    clip_norm: Option<f64>,
-    clip_value: Option<f64>,
-    seed: u64,
-    bucket_bytes: usize,
+    pub(crate) state: ProcessState,
+    pub(crate) comm: Counted,
+    pub(crate) precision: Precision,
+    pub(crate) clip_norm: Option<f64>,
+    pub(crate) clip_value: Option<f64>,
+    pub(crate) seed: u64,
+    pub(crate) bucket_bytes: usize,
     pub(crate) models: Vec<ParamSet>,
     pub(crate) optimizers: Vec<Box<dyn Stateful>>,
     pub(crate) rng: Shared<Rng>,

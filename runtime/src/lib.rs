@@ -10,6 +10,7 @@
 
 pub mod accelerator;
 pub mod autocast;
+mod builder;
 pub mod checkpoint;
 pub mod comm;
 pub mod config;
