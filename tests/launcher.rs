@@ -251,3 +251,201 @@ fn help_lists_the_flags() {
         assert!(stdout.contains(flag), "{flag} missing from\n{stdout}");
     }
 }
+
+mod reference;
+
+/// Several machines, played by this one: a hostfile or the config's `hosts` naming `localhost`
+/// and `127.0.0.1`, which Open MPI runs as one node but ivme launches through its
+/// multi-machine path (a host list, no loopback binding, machine ranks).
+mod multi_machine {
+    use super::common::{example_bin, ivme_bin, text};
+    use super::reference;
+    use serde_json::Value;
+    use std::collections::BTreeMap;
+    use std::path::{Path, PathBuf};
+    use std::process::{Command, Output};
+
+    fn scratch(tag: &str) -> PathBuf {
+        let dir =
+            std::env::temp_dir().join(format!("ivme-machines-test-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    /// Runs `ivme args...` with `config` as its config file and a home folder of its own.
+    fn ivme(dir: &Path, config: &Path, args: &[&str]) -> Output {
+        Command::new(ivme_bin())
+            .args(args)
+            .env("IVME_CONFIG", config)
+            .env("HOME", dir)
+            .env_remove("XDG_CONFIG_HOME")
+            .output()
+            .expect("the ivme binary runs")
+    }
+
+    fn ok(out: &Output) -> String {
+        let (stdout, stderr) = text(out);
+        assert!(
+            out.status.success(),
+            "ivme failed\nstdout:\n{stdout}\nstderr:\n{stderr}"
+        );
+        stdout
+    }
+
+    fn refused(out: &Output) -> String {
+        let (stdout, stderr) = text(out);
+        assert!(
+            !out.status.success(),
+            "ivme should have failed\nstdout:\n{stdout}\nstderr:\n{stderr}"
+        );
+        stderr
+    }
+
+    fn params(path: &Path) -> BTreeMap<String, Vec<f32>> {
+        let v: Value = serde_json::from_slice(
+            &std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display())),
+        )
+        .unwrap();
+        assert_eq!(v["world"], 2, "{v}");
+        serde_json::from_value(v["params"].clone()).unwrap()
+    }
+
+    /// Trains the harness on two "machines" of this host and checks both ranks end equal, and equal
+    /// to one plain process with the two ranks' batches together.
+    fn two_machine_run(dir: &Path, config: &Path, launch_args: &[&str], tag: &str) {
+        let out_dir = dir.join(tag);
+        let harness = example_bin("harness");
+        let mut args: Vec<String> = ["launch", "--cpu"]
+            .iter()
+            .chain(launch_args)
+            .map(|s| s.to_string())
+            .collect();
+        args.push(harness.display().to_string());
+        for a in ["opt=sgd", "steps=3", "batch=4", "n=32", "lr=0.05"] {
+            args.push(a.into());
+        }
+        args.push(format!("out={}", out_dir.display()));
+        let words: Vec<&str> = args.iter().map(String::as_str).collect();
+        ok(&ivme(dir, config, &words));
+        let (r0, r1) = (
+            params(&out_dir.join("rank0.json")),
+            params(&out_dir.join("rank1.json")),
+        );
+        assert_eq!(
+            reference::max_diff(&r0, &r1),
+            0.0,
+            "{tag}: the two machines' ranks ended with different weights"
+        );
+        let order: Vec<usize> = (0..32).collect();
+        let expected =
+            reference::train::<candle_nn::SGD>(32, &reference::chunks(&order, 8, 3), 0.05);
+        let diff = reference::max_diff(&r0, &expected);
+        assert!(
+            diff <= 1e-6,
+            "{tag}: max abs diff from one plain process: {diff}"
+        );
+    }
+
+    #[test]
+    fn two_machines_on_localhost_train_in_step() {
+        let dir = scratch("two-machines");
+        let hostfile = dir.join("hosts");
+        std::fs::write(&hostfile, "localhost slots=1\n127.0.0.1 slots=1\n").unwrap();
+        let none = dir.join("none.toml");
+        // An empty config: every setting comes from the flags.
+        std::fs::write(&none, "version = 1\n").unwrap();
+        two_machine_run(
+            &dir,
+            &none,
+            &["--hostfile", hostfile.to_str().unwrap()],
+            "hostfile",
+        );
+
+        // The same two machines from the config's address list, no hostfile.
+        let cfg = dir.join("machines.toml");
+        std::fs::write(&cfg, "version = 1\nnum_processes = 2\nnum_machines = 2\nhosts = [\"localhost\", \"127.0.0.1\"]\n").unwrap();
+        let report = ok(&ivme(&dir, &cfg, &["launch", "--dry_run", "sh"]));
+        let command = report.lines().last().unwrap();
+        assert!(
+            command.contains("--host localhost:1,127.0.0.1:1 -np 2"),
+            "{report}"
+        );
+        assert!(
+            !command.contains("127.0.0.1/8"),
+            "several machines must not be held to loopback: {command}"
+        );
+        assert!(
+            report.lines().any(|l| l == "IVME_NUM_MACHINES=2"),
+            "{report}"
+        );
+        two_machine_run(&dir, &cfg, &[], "config-hosts");
+
+        // Any machine but the main one starts nothing and says where to launch.
+        let marker = dir.join("ran");
+        let script = format!("touch {}", marker.display());
+        let stdout = ok(&ivme(
+            &dir,
+            &cfg,
+            &["launch", "--machine_rank", "1", "sh", "-c", &script],
+        ));
+        assert!(
+            stdout.contains("this is machine 1 of 2")
+                && stdout.contains("main machine (localhost)"),
+            "{stdout}"
+        );
+        assert!(!marker.exists());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn machine_settings_that_cannot_work_are_refused() {
+        let dir = scratch("machines-bad");
+        let none = dir.join("none.toml");
+        // An empty config: every setting comes from the flags.
+        std::fs::write(&none, "version = 1\n").unwrap();
+        let msg = refused(&ivme(&dir, &none, &["launch", "--num_machines", "2", "sh"]));
+        assert!(
+            msg.contains("2 machines need their addresses") && msg.contains("--hostfile"),
+            "{msg}"
+        );
+        let cfg = dir.join("m.toml");
+        std::fs::write(
+            &cfg,
+            "version = 1\nnum_machines = 2\nhosts = [\"a\", \"b\"]\n",
+        )
+        .unwrap();
+        let msg = refused(&ivme(&dir, &cfg, &["launch", "--num_processes", "3", "sh"]));
+        assert!(msg.contains("multiple of 2"), "{msg}");
+        let msg = refused(&ivme(&dir, &cfg, &["launch", "--machine_rank", "2", "sh"]));
+        assert!(
+            msg.contains("machine_rank 2 does not exist") && msg.contains("from 0 to 1"),
+            "{msg}"
+        );
+        let msg = refused(&ivme(
+            &dir,
+            &cfg,
+            &["launch", "--main_process_ip", "b", "sh"],
+        ));
+        assert!(
+            msg.contains("first machine of the config's `hosts` is a"),
+            "{msg}"
+        );
+        let hostfile = dir.join("hosts");
+        std::fs::write(&hostfile, "a slots=1\nb slots=1\n").unwrap();
+        let h = hostfile.to_str().unwrap();
+        let msg = refused(&ivme(
+            &dir,
+            &none,
+            &["launch", "--hostfile", h, "--num_processes", "3", "sh"],
+        ));
+        assert!(msg.contains("3 processes do not fit the 2 slots"), "{msg}");
+        std::fs::write(&hostfile, "a slots=1 max_slots=2\n").unwrap();
+        let msg = refused(&ivme(&dir, &none, &["launch", "--hostfile", h, "sh"]));
+        assert!(
+            msg.contains("line 1: `max_slots=2` is not understood"),
+            "{msg}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

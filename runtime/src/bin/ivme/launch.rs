@@ -1,12 +1,15 @@
 //! `ivme launch`: start a program on one or many processes.
 //!
-//! The plan (what to run, how, with which environment) comes from [`crate::plan`]; this module
-//! runs it, then reads which ranks failed and picks the exit code.
+//! The plan (what to run, how, with which environment) comes from [`crate::plan`], with what the
+//! flags leave unset taken from the config file ([`crate::settings`]); this module runs it, then
+//! reads which ranks failed and picks the exit code.
 
+use crate::machines;
 use crate::mpirun::{Flavor, Mpirun};
 use crate::plan::{usage, Context, Invocation, LaunchArgs, LaunchPlan, Machine, Parsed};
 use crate::process::{self, Outcome};
 use crate::rank::{self, Failure};
+use crate::settings::Location;
 use ivme::{Error, Result};
 use std::path::PathBuf;
 use std::process::Command;
@@ -38,7 +41,7 @@ pub fn main(words: &[String]) -> Result<i32> {
             print!("{}", usage());
             return Ok(0);
         }
-        Parsed::Launch(args) => args,
+        Parsed::Launch(args) => *args,
     };
     // Variables that are not UTF-8 cannot be ivme's; skipping them avoids env::vars' panic.
     let inherited: Vec<(String, String)> = std::env::vars_os()
@@ -50,7 +53,21 @@ pub fn main(words: &[String]) -> Result<i32> {
             .find(|(k, _)| k == key)
             .map(|(_, v)| v.clone())
     };
-    let plan = LaunchPlan::resolve(args, lookup("PATH").as_deref())?;
+    let location = Location::find(args.config_file.as_deref(), lookup)?;
+    let config = location.load()?;
+    let plan = LaunchPlan::resolve_with(
+        args,
+        config.as_ref().map(|c| (location.path.as_path(), c)),
+        &inherited,
+        lookup("PATH").as_deref(),
+    )?;
+    if plan.is_secondary() {
+        if plan.dry_run {
+            print!("{}", machines::describe_settings(&plan));
+        }
+        print!("{}", machines::secondary_message(&plan));
+        return Ok(0);
+    }
     let mpirun = if plan.uses_mpi() {
         Some(Mpirun::find(lookup)?)
     } else {
@@ -72,7 +89,22 @@ pub fn main(words: &[String]) -> Result<i32> {
     };
     let inv = plan.invocation(&ctx)?;
     if plan.dry_run {
-        print!("{}", inv.describe(plan.num_processes));
+        let config_line = match &config {
+            Some(_) => format!(
+                "# config file: {} (from {})\n",
+                location.path.display(),
+                location.chosen_by
+            ),
+            None => format!(
+                "# config file: none (nothing at {})\n",
+                location.path.display()
+            ),
+        };
+        print!(
+            "{config_line}{}{}",
+            machines::describe_settings(&plan),
+            inv.describe(plan.num_processes)
+        );
         return Ok(0);
     }
     let _cleanup = inv.status_dir.clone().map(StatusDir);

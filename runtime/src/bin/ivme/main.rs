@@ -4,20 +4,42 @@
 //! only picks one and turns its result into an exit status.
 
 mod args;
+mod config_cmd;
+mod env_cmd;
+mod hosts;
 mod launch;
+mod machines;
 mod mpirun;
 mod plan;
 mod process;
+mod prompt;
 mod rank;
+mod selftest;
+mod settings;
+mod sources;
 
 use ivme::{Error, Result};
 use std::process::ExitCode;
 
 /// The visible subcommands with one line each, for `ivme --help`.
-const COMMANDS: &[(&str, &str)] = &[(
-    launch::COMMAND,
-    "start a program on one or more processes (through mpirun for more than one)",
-)];
+const COMMANDS: &[(&str, &str)] = &[
+    (
+        launch::COMMAND,
+        "start a program on one or more processes (through mpirun for more than one)",
+    ),
+    (
+        config_cmd::COMMAND,
+        "answer a few questions once so that `ivme launch PROGRAM` needs no flags",
+    ),
+    (
+        env_cmd::COMMAND,
+        "print versions, hardware and config for a bug report",
+    ),
+    (
+        selftest::COMMAND,
+        "check that training works end to end on the configured processes",
+    ),
+];
 
 fn usage() -> String {
     let width = COMMANDS.iter().map(|(n, _)| n.len()).max().unwrap_or(0);
@@ -41,6 +63,10 @@ fn run(argv: &[String]) -> Result<i32> {
     match command.as_str() {
         launch::COMMAND => launch::main(rest),
         rank::COMMAND => rank::main(rest),
+        config_cmd::COMMAND => config_cmd::main(rest),
+        env_cmd::COMMAND => env_cmd::main(rest),
+        selftest::COMMAND => selftest::main(rest),
+        selftest::RANK_COMMAND => selftest::rank_main(rest),
         "-h" | "--help" | "help" => {
             print!("{}", usage());
             Ok(0)

@@ -2,7 +2,7 @@
 
 use crate::process;
 use ivme::{Error, Result};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 
 /// The environment variable that names an `mpirun` to use instead of the one on PATH.
@@ -87,13 +87,17 @@ impl Mpirun {
     }
 }
 
+/// The loopback network, as Open MPI's `*_if_include` parameters take it.
+const LOOPBACK: &str = "127.0.0.1/8";
+
 /// What the mpirun command line depends on besides the plan itself.
 #[derive(Debug, Clone)]
 pub struct MpiJob<'a> {
     /// Number of ranks.
     pub num_processes: usize,
-    /// Host list for multi-machine runs.
-    pub hostfile: Option<&'a Path>,
+    /// The machines as `host:slots,...` for a multi-machine run; `None` keeps every rank on
+    /// this machine, talking over loopback only.
+    pub hosts: Option<&'a str>,
     /// Whether the launcher runs as root (Open MPI refuses unless told).
     pub as_root: bool,
     /// Whether this machine runs more ranks than it has slots.
@@ -119,8 +123,18 @@ pub fn command_line(mpirun: &Mpirun, job: &MpiJob<'_>) -> Vec<String> {
             }
             // Rayon already splits the cores between ranks; pinning would stack them.
             push(&["--bind-to", "none"]);
-            if let Some(h) = job.hostfile {
-                push(&["--hostfile", &h.display().to_string()]);
+            match job.hosts {
+                Some(h) => push(&["--host", h]),
+                // One machine needs no network: keep both the runtime's and MPI's own TCP
+                // traffic on loopback (a CIDR, since the interface's name differs by system).
+                None => push(&[
+                    "--mca",
+                    "btl_tcp_if_include",
+                    LOOPBACK,
+                    "--mca",
+                    "oob_tcp_if_include",
+                    LOOPBACK,
+                ]),
             }
             push(&["-np", &np]);
             // Open MPI exports to remote hosts only the variables named with -x.
@@ -130,8 +144,8 @@ pub fn command_line(mpirun: &Mpirun, job: &MpiJob<'_>) -> Vec<String> {
         }
         Flavor::Mpich => {
             push(&["-bind-to", "none"]);
-            if let Some(h) = job.hostfile {
-                push(&["-f", &h.display().to_string()]);
+            if let Some(h) = job.hosts {
+                push(&["-hosts", h]);
             }
             push(&["-np", &np]);
             // -genv sets a value without switching Hydra away from passing the whole environment.
@@ -140,8 +154,8 @@ pub fn command_line(mpirun: &Mpirun, job: &MpiJob<'_>) -> Vec<String> {
             }
         }
         Flavor::Unknown => {
-            if let Some(h) = job.hostfile {
-                push(&["-hostfile", &h.display().to_string()]);
+            if let Some(h) = job.hosts {
+                push(&["-host", h]);
             }
             push(&["-np", &np]);
         }
@@ -157,7 +171,7 @@ mod tests {
     fn job<'a>(env: &'a [(String, String)], cmd: &'a [String]) -> MpiJob<'a> {
         MpiJob {
             num_processes: 4,
-            hostfile: None,
+            hosts: None,
             as_root: true,
             oversubscribe: true,
             env,
@@ -198,19 +212,24 @@ mod tests {
         let argv = command_line(&mpirun(Flavor::OpenMpi), &job(&env, &cmd));
         assert_eq!(
             argv.join(" "),
-            "/usr/bin/mpirun --allow-run-as-root --oversubscribe --bind-to none -np 4 \
+            "/usr/bin/mpirun --allow-run-as-root --oversubscribe --bind-to none \
+             --mca btl_tcp_if_include 127.0.0.1/8 --mca oob_tcp_if_include 127.0.0.1/8 -np 4 \
              -x IVME_CPU ivme __rank"
         );
         let mut j = job(&env, &cmd);
         j.as_root = false;
         j.oversubscribe = false;
-        j.hostfile = Some(Path::new("/etc/hosts.mpi"));
+        j.hosts = Some("n1:2,n2:2");
         let line = command_line(&mpirun(Flavor::OpenMpi), &j).join(" ");
         assert!(
             !line.contains("root") && !line.contains("oversubscribe"),
             "{line}"
         );
-        assert!(line.contains("--hostfile /etc/hosts.mpi -np 4"), "{line}");
+        assert!(line.contains("--host n1:2,n2:2 -np 4"), "{line}");
+        assert!(
+            !line.contains("127.0.0.1"),
+            "several machines need the network: {line}"
+        );
     }
 
     #[test]
@@ -218,11 +237,11 @@ mod tests {
         let env = vec![("IVME_CPU".to_string(), "1".to_string())];
         let cmd = vec!["prog".to_string()];
         let mut j = job(&env, &cmd);
-        j.hostfile = Some(Path::new("hosts"));
+        j.hosts = Some("n1:2,n2:2");
         let line = command_line(&mpirun(Flavor::Mpich), &j).join(" ");
         assert_eq!(
             line,
-            "/usr/bin/mpirun -bind-to none -f hosts -np 4 -genv IVME_CPU 1 prog"
+            "/usr/bin/mpirun -bind-to none -hosts n1:2,n2:2 -np 4 -genv IVME_CPU 1 prog"
         );
         let line = command_line(&mpirun(Flavor::Unknown), &job(&env, &cmd)).join(" ");
         assert_eq!(line, "/usr/bin/mpirun -np 4 prog");

@@ -6,12 +6,14 @@
 //! unset; nothing here starts a process, so all of it is tested without one.
 
 use crate::args::{self, Flag, Kind};
+use crate::hosts::Hosts;
 use crate::launch::COMMAND;
 use crate::mpirun::{self, MpiJob, Mpirun};
 use crate::process;
 use crate::rank;
+use crate::sources::{self, Origin};
 use ivme::{Error, Precision, Result};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 const NUM_PROCESSES: Flag = Flag {
     name: "num_processes",
@@ -24,6 +26,24 @@ const GRAD_ACCUM: Flag = Flag {
     kind: Kind::Value("steps"),
     help: "micro-batches per optimizer step, passed as IVME_GRAD_ACCUM",
     example: "4",
+};
+const NUM_MACHINES: Flag = Flag {
+    name: "num_machines",
+    kind: Kind::Value("count"),
+    help: "machines in the run (more than 1 needs the config's `hosts` or --hostfile)",
+    example: "2",
+};
+const MACHINE_RANK: Flag = Flag {
+    name: "machine_rank",
+    kind: Kind::Value("rank"),
+    help: "this machine's rank; only rank 0 starts anything (it starts every machine's ranks)",
+    example: "0",
+};
+const MAIN_PORT: Flag = Flag {
+    name: "main_process_port",
+    kind: Kind::Value("port"),
+    help: "rendezvous port on the main machine, passed as IVME_MAIN_PROCESS_PORT",
+    example: "29500",
 };
 
 /// The flags `ivme launch` accepts.
@@ -48,10 +68,25 @@ pub const FLAGS: &[Flag] = &[
         example: "bf16",
     },
     GRAD_ACCUM,
+    NUM_MACHINES,
+    MACHINE_RANK,
+    Flag {
+        name: "main_process_ip",
+        kind: Kind::Value("address"),
+        help: "the main machine's address (the first of the machines), as IVME_MAIN_PROCESS_IP",
+        example: "10.0.0.1",
+    },
+    MAIN_PORT,
+    Flag {
+        name: "config_file",
+        kind: Kind::Value("file"),
+        help: "the config file to read (default: $IVME_CONFIG, else ~/.config/ivme/default_config.toml)",
+        example: "ivme.toml",
+    },
     Flag {
         name: "dry_run",
         kind: Kind::Switch,
-        help: "print the command and environment, then exit without running anything",
+        help: "print the settings with their sources, the command and environment; run nothing",
         example: "",
     },
 ];
@@ -64,7 +99,13 @@ pub fn usage() -> String {
          Flags (`--num-processes` and `--num_processes=2` work too):\n{}\
          \nEverything after PROGRAM is passed to it unchanged. Each rank sees IVME_NUM_PROCESSES,\n\
          IVME_LAUNCHER=ivme, RAYON_NUM_THREADS (cores shared between the ranks on a machine, unless\n\
-         already set) and the variables of the flags given. Set {} to use a particular mpirun.\n",
+         already set) and the variables of the settings given. Set {} to use a particular mpirun.\n\
+         \nSettings come from flags, then IVME_PRECISION / IVME_GRAD_ACCUM / IVME_CPU already in the\n\
+         environment, then the config file (`ivme config`), then the defaults.\n\
+         \nSeveral machines: run `ivme launch` on machine 0 only; mpirun starts every machine's\n\
+         ranks over ssh, so each machine needs the program at the same path. The machines come from\n\
+         --hostfile (`node1 slots=4` per line) or the config's `hosts` list with --num_machines.\n\
+         One machine: the ranks talk over loopback only.\n",
         args::help_table(FLAGS),
         mpirun::MPIRUN_VAR
     )
@@ -83,6 +124,18 @@ pub struct LaunchArgs {
     pub mixed_precision: Option<Precision>,
     /// `--gradient_accumulation_steps`.
     pub gradient_accumulation_steps: Option<usize>,
+    /// `--num_machines`.
+    pub num_machines: Option<usize>,
+    /// `--machine_rank`.
+    pub machine_rank: Option<usize>,
+    /// `--main_process_ip`.
+    pub main_process_ip: Option<String>,
+    /// `--main_process_port`.
+    pub main_process_port: Option<u16>,
+    /// The machines' addresses (the config's `hosts`; no flag).
+    pub hosts: Option<Vec<String>>,
+    /// `--config_file`.
+    pub config_file: Option<PathBuf>,
     /// `--dry_run`.
     pub dry_run: bool,
     /// The program to start, as typed.
@@ -97,7 +150,7 @@ pub enum Parsed {
     /// `--help`: print the usage and stop.
     Help,
     /// A launch.
-    Launch(LaunchArgs),
+    Launch(Box<LaunchArgs>),
 }
 
 impl LaunchArgs {
@@ -116,54 +169,37 @@ impl LaunchArgs {
                 ))
             })?),
         };
+        let machine_rank = match s.value("machine_rank") {
+            None => None,
+            Some(raw) => Some(raw.trim().parse::<usize>().map_err(|_| {
+                Error::Usage(format!(
+                    "`--machine_rank {raw}` is not a whole number; machine ranks count from 0, e.g. `--machine_rank 0`"
+                ))
+            })?),
+        };
+        let main_process_port = match args::positive(&s, &MAIN_PORT)? {
+            None => None,
+            Some(p) => Some(u16::try_from(p).map_err(|_| {
+                Error::Usage(format!("`--main_process_port {p}` is not a port; use 1 to 65535, e.g. `--main_process_port 29500`"))
+            })?),
+        };
         let mut rest = s.rest.clone().into_iter();
-        Ok(Parsed::Launch(LaunchArgs {
+        Ok(Parsed::Launch(Box::new(LaunchArgs {
             num_processes: args::positive(&s, &NUM_PROCESSES)?,
             cpu: args::switch(&s, "cpu")?,
             hostfile: s.value("hostfile").map(PathBuf::from),
             mixed_precision,
             gradient_accumulation_steps: args::positive(&s, &GRAD_ACCUM)?,
+            num_machines: args::positive(&s, &NUM_MACHINES)?,
+            machine_rank,
+            main_process_ip: s.value("main_process_ip").map(str::to_string),
+            main_process_port,
+            hosts: None,
+            config_file: s.value("config_file").map(PathBuf::from),
             dry_run: args::switch(&s, "dry_run")?.unwrap_or(false),
             program: rest.next(),
             program_args: rest.collect(),
-        }))
-    }
-}
-
-/// A host list for a multi-machine run.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Hostfile {
-    /// Where it is.
-    pub path: PathBuf,
-    /// How many distinct machines it names.
-    pub hosts: usize,
-}
-
-impl Hostfile {
-    /// Reads a hostfile and counts its machines (comments and blank lines skipped).
-    pub fn read(path: &Path) -> Result<Hostfile> {
-        let text = std::fs::read_to_string(path).map_err(|e| {
-            Error::Usage(format!(
-                "cannot read the hostfile {}: {e}; check the path given to `--hostfile`",
-                path.display()
-            ))
-        })?;
-        let mut hosts: Vec<&str> = text
-            .lines()
-            .filter_map(|l| l.split('#').next()?.split_whitespace().next())
-            .collect();
-        hosts.sort_unstable();
-        hosts.dedup();
-        if hosts.is_empty() {
-            return Err(Error::Usage(format!(
-                "the hostfile {} names no machines; write one per line, e.g. `node1 slots=4`",
-                path.display()
-            )));
-        }
-        Ok(Hostfile {
-            path: path.to_path_buf(),
-            hosts: hosts.len(),
-        })
+        })))
     }
 }
 
@@ -174,8 +210,18 @@ pub struct LaunchPlan {
     pub num_processes: usize,
     /// Whether to force the CPU.
     pub cpu: bool,
-    /// The machines, for a multi-machine run.
-    pub hostfile: Option<Hostfile>,
+    /// The machines, for a multi-machine run (from a hostfile or the config's `hosts`).
+    pub hosts: Option<Hosts>,
+    /// Machines in the run.
+    pub num_machines: usize,
+    /// This machine's rank among them.
+    pub machine_rank: usize,
+    /// The main machine's address and rendezvous port, when given.
+    pub main_process_ip: Option<String>,
+    /// The rendezvous port on the main machine, when given.
+    pub main_process_port: Option<u16>,
+    /// Where each setting came from, for `--dry_run` (empty when built from flags alone).
+    pub origins: Vec<Origin>,
     /// The compute precision, when given.
     pub precision: Option<Precision>,
     /// Micro-batches per optimizer step, when given.
@@ -192,6 +238,7 @@ impl LaunchPlan {
     /// Applies defaults and checks that the program and hostfile exist; `path_var` is the
     /// `PATH` used to find a program given by name.
     pub fn resolve(args: LaunchArgs, path_var: Option<&str>) -> Result<LaunchPlan> {
+        let machines = crate::machines::resolve(&args)?;
         let Some(program) = args.program else {
             return Err(Error::Usage(
                 "missing the program to run: write `ivme launch [FLAGS] PROGRAM [ARGS...]`, e.g. \
@@ -199,11 +246,15 @@ impl LaunchPlan {
                     .into(),
             ));
         };
-        let hostfile = args.hostfile.as_deref().map(Hostfile::read).transpose()?;
         Ok(LaunchPlan {
-            num_processes: args.num_processes.unwrap_or(1),
+            num_processes: machines.num_processes,
             cpu: args.cpu.unwrap_or(false),
-            hostfile,
+            hosts: machines.hosts,
+            num_machines: machines.num_machines,
+            machine_rank: machines.machine_rank,
+            main_process_ip: args.main_process_ip,
+            main_process_port: args.main_process_port,
+            origins: Vec::new(),
             precision: args.mixed_precision,
             grad_accum: args.gradient_accumulation_steps,
             program: process::find_executable(&program, path_var)?,
@@ -212,15 +263,35 @@ impl LaunchPlan {
         })
     }
 
-    /// Whether the ranks go through mpirun (a lone local process runs directly).
-    pub fn uses_mpi(&self) -> bool {
-        self.num_processes > 1 || self.hostfile.is_some()
+    /// Reads the flags, fills the rest from the environment and the config file, and resolves
+    /// the result, keeping each setting's origin.
+    pub fn resolve_with(
+        flags: LaunchArgs,
+        config: Option<(&std::path::Path, &crate::settings::Config)>,
+        inherited: &[(String, String)],
+        path_var: Option<&str>,
+    ) -> Result<LaunchPlan> {
+        let (args, origins) = sources::merge(flags, config, inherited)?;
+        let mut plan = LaunchPlan::resolve(args, path_var)?;
+        plan.origins = origins;
+        Ok(plan)
     }
 
-    /// How many ranks share one machine's cores (ranks spread evenly over the hostfile).
+    /// Whether the ranks go through mpirun (a lone local process runs directly).
+    pub fn uses_mpi(&self) -> bool {
+        self.num_processes > 1 || self.hosts.is_some()
+    }
+
+    /// Whether this is a machine other than the main one, which starts nothing itself.
+    pub fn is_secondary(&self) -> bool {
+        self.num_machines > 1 && self.machine_rank > 0
+    }
+
+    /// How many ranks share one machine's cores: the busiest machine's share.
     pub fn processes_per_machine(&self) -> usize {
-        let machines = self.hostfile.as_ref().map_or(1, |h| h.hosts);
-        self.num_processes.div_ceil(machines)
+        self.hosts
+            .as_ref()
+            .map_or(self.num_processes, |h| h.busiest(self.num_processes))
     }
 
     /// The variables every rank sees: ivme's settings, plus `IVME_*` and `RAYON_NUM_THREADS`
@@ -239,6 +310,15 @@ impl LaunchPlan {
         }
         if let Some(k) = self.grad_accum {
             ours.push(("IVME_GRAD_ACCUM".into(), k.to_string()));
+        }
+        if self.num_machines > 1 {
+            ours.push(("IVME_NUM_MACHINES".into(), self.num_machines.to_string()));
+        }
+        if let Some(ip) = &self.main_process_ip {
+            ours.push(("IVME_MAIN_PROCESS_IP".into(), ip.clone()));
+        }
+        if let Some(port) = self.main_process_port {
+            ours.push(("IVME_MAIN_PROCESS_PORT".into(), port.to_string()));
         }
         if user_rayon.is_none() {
             let threads = (machine.cores / self.processes_per_machine()).max(1);
@@ -279,12 +359,13 @@ impl LaunchPlan {
             &self.program,
             &self.program_args,
         ));
+        let hosts = self.hosts.as_ref().map(Hosts::spec);
         let job = MpiJob {
             num_processes: self.num_processes,
-            hostfile: self.hostfile.as_ref().map(|h| h.path.as_path()),
+            hosts: hosts.as_deref(),
             as_root: ctx.machine.root,
-            // A hostfile states its own slots; locally Open MPI allows one rank per core.
-            oversubscribe: self.hostfile.is_none() && self.num_processes > ctx.machine.slots,
+            // Listed machines state their own slots; locally Open MPI allows one rank per core.
+            oversubscribe: self.hosts.is_none() && self.num_processes > ctx.machine.slots,
             env: &env,
             rank_command: &rank_command,
         };
@@ -353,6 +434,9 @@ pub struct Invocation {
 
 impl Invocation {
     /// The `--dry_run` report: a header, the variables, then the command on one line.
+    ///
+    /// Every line but the variables and the command starts with `#`, so the report reads as a
+    /// shell script.
     pub fn describe(&self, num_processes: usize) -> String {
         let plural = if num_processes == 1 {
             "process"

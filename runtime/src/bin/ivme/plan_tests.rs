@@ -9,7 +9,7 @@ fn words(w: &[&str]) -> Vec<String> {
 
 fn parse(w: &[&str]) -> LaunchArgs {
     match LaunchArgs::parse(&words(w)).unwrap() {
-        Parsed::Launch(a) => a,
+        Parsed::Launch(a) => *a,
         Parsed::Help => panic!("unexpected help for {w:?}"),
     }
 }
@@ -66,6 +66,7 @@ fn every_flag_is_read_in_either_spelling() {
             dry_run: true,
             program: Some("train".into()),
             program_args: words(&["--lr", "0.1"]),
+            ..LaunchArgs::default()
         }
     );
     assert_eq!(
@@ -138,9 +139,10 @@ fn hostfiles_count_distinct_machines() {
         "sh",
     ]);
     std::fs::write(&path, "# nothing\n\n").unwrap();
-    let empty = Hostfile::read(&path).unwrap_err().to_string();
+    let empty = crate::hosts::Hosts::read(&path).unwrap_err().to_string();
     std::fs::remove_file(&path).unwrap();
-    assert_eq!(p.hostfile.as_ref().unwrap().hosts, 2);
+    assert_eq!(p.hosts.as_ref().unwrap().machines.len(), 2);
+    assert_eq!(p.num_machines, 2);
     assert!(p.uses_mpi());
     // 5 ranks over 2 machines: the fuller machine holds 3.
     assert_eq!(p.processes_per_machine(), 3);
@@ -220,6 +222,12 @@ fn open_mpi_ranks_run_under_the_wrapper_with_every_variable_forwarded() {
         "--oversubscribe",
         "--bind-to",
         "none",
+        "--mca",
+        "btl_tcp_if_include",
+        "127.0.0.1/8",
+        "--mca",
+        "oob_tcp_if_include",
+        "127.0.0.1/8",
         "-np",
         "4",
         "-x",

@@ -1,0 +1,315 @@
+//! Where each launch setting comes from: a flag, then an `IVME_*` variable already in the
+//! launcher's environment (for the settings the Accelerator reads), then the config file, then
+//! the default. The merged settings remember their source so `--dry_run` can show it.
+
+use crate::plan::LaunchArgs;
+use crate::settings::Config;
+use ivme::{Error, Precision, Result};
+use std::path::{Path, PathBuf};
+
+/// The place one setting's value came from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum From {
+    /// A command-line flag.
+    Flag,
+    /// A variable in the launcher's environment.
+    Env(&'static str),
+    /// The config file at this path.
+    File(PathBuf),
+    /// Nothing set it.
+    Default,
+}
+
+/// One setting's source, and what a weaker source said that it overrode.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Origin {
+    /// The setting, spelled as its flag and config key.
+    pub key: &'static str,
+    /// Where its value came from.
+    pub from: From,
+    /// The config file's value when a stronger source replaced it.
+    pub overrode: Option<String>,
+}
+
+impl Origin {
+    /// Says where the value came from, for `--dry_run`.
+    pub fn describe(&self) -> String {
+        let mut s = match &self.from {
+            From::Flag => format!("flag --{}", self.key),
+            From::Env(var) => format!("environment {var}"),
+            From::File(p) => format!("config file {}", p.display()),
+            From::Default => "default".to_string(),
+        };
+        if let Some(v) = &self.overrode {
+            s.push_str(&format!("; the config file's {v} is overridden"));
+        }
+        s
+    }
+}
+
+/// How a setting's value reads in `--dry_run`.
+trait Show {
+    fn show(&self) -> String;
+}
+
+macro_rules! show_display {
+    ($($t:ty),+) => {$(
+        impl Show for $t {
+            fn show(&self) -> String {
+                self.to_string()
+            }
+        }
+    )+};
+}
+show_display!(usize, u16, bool, Precision, String);
+
+impl Show for PathBuf {
+    fn show(&self) -> String {
+        self.display().to_string()
+    }
+}
+
+impl Show for Vec<String> {
+    fn show(&self) -> String {
+        format!("[{}]", self.join(", "))
+    }
+}
+
+/// Picks one setting by precedence and records where it came from.
+fn pick<T: Clone + Show>(
+    origins: &mut Vec<Origin>,
+    key: &'static str,
+    flag: Option<T>,
+    env: Option<(&'static str, T)>,
+    (path, from_file): (Option<&Path>, Option<T>),
+) -> Option<T> {
+    let shown = |v: &Option<T>| v.as_ref().map(Show::show);
+    let (value, from, overrode) = match (flag, env, from_file) {
+        (Some(v), _, f) => (Some(v), From::Flag, shown(&f)),
+        (None, Some((var, v)), f) => (Some(v), From::Env(var), shown(&f)),
+        (None, None, Some(v)) => (
+            Some(v),
+            From::File(path.unwrap_or(Path::new("")).to_path_buf()),
+            None,
+        ),
+        (None, None, None) => (None, From::Default, None),
+    };
+    origins.push(Origin {
+        key,
+        from,
+        overrode,
+    });
+    value
+}
+
+/// Reads one of the Accelerator's `IVME_*` variables from the launcher's environment.
+fn env_value<T>(
+    inherited: &[(String, String)],
+    var: &'static str,
+    parse: impl Fn(&str) -> Option<T>,
+    valid: &str,
+) -> Result<Option<(&'static str, T)>> {
+    let Some((_, raw)) = inherited
+        .iter()
+        .find(|(k, _)| k == var)
+        .filter(|(_, v)| !v.trim().is_empty())
+    else {
+        return Ok(None);
+    };
+    match parse(raw.trim()) {
+        Some(v) => Ok(Some((var, v))),
+        None => Err(Error::config(
+            var,
+            raw,
+            format!("set by the environment: use {valid}, or unset it"),
+        )),
+    }
+}
+
+/// Fills what the flags leave unset from the environment and the config file (`file`, with its
+/// path), and returns the merged arguments with each setting's origin.
+pub fn merge(
+    flags: LaunchArgs,
+    file: Option<(&Path, &Config)>,
+    inherited: &[(String, String)],
+) -> Result<(LaunchArgs, Vec<Origin>)> {
+    let mut o = Vec::new();
+    let c = file.map(|(_, c)| c.clone()).unwrap_or_default();
+    let path = file.map(|(p, _)| p);
+    let precision_env = env_value(
+        inherited,
+        "IVME_PRECISION",
+        |s| s.parse::<Precision>().ok(),
+        &format!("one of {}", Precision::VALID.join(", ")),
+    )?;
+    let accum_env = env_value(
+        inherited,
+        "IVME_GRAD_ACCUM",
+        |s| s.parse::<usize>().ok().filter(|&n| n >= 1),
+        "a whole number of at least 1",
+    )?;
+    let cpu_env = env_value(
+        inherited,
+        "IVME_CPU",
+        |s| match s {
+            "1" | "true" => Some(true),
+            "0" | "false" => Some(false),
+            _ => None,
+        },
+        "1 or 0",
+    )?;
+    // A hostfile on the command line describes the machines anew, so the file's machine list
+    // (and its count) would only contradict it.
+    let new_machines = flags.hostfile.is_some();
+    let (file_machines, file_hosts, file_hostfile) = if new_machines {
+        (None, None, None)
+    } else {
+        (c.num_machines, c.hosts.clone(), c.hostfile.clone())
+    };
+    let merged = LaunchArgs {
+        num_processes: pick(
+            &mut o,
+            "num_processes",
+            flags.num_processes,
+            None,
+            (path, c.num_processes),
+        ),
+        cpu: pick(&mut o, "cpu", flags.cpu, cpu_env, (path, c.cpu)),
+        mixed_precision: pick(
+            &mut o,
+            "mixed_precision",
+            flags.mixed_precision,
+            precision_env,
+            (path, c.mixed_precision),
+        ),
+        gradient_accumulation_steps: pick(
+            &mut o,
+            "gradient_accumulation_steps",
+            flags.gradient_accumulation_steps,
+            accum_env,
+            (path, c.gradient_accumulation_steps),
+        ),
+        num_machines: pick(
+            &mut o,
+            "num_machines",
+            flags.num_machines,
+            None,
+            (path, file_machines),
+        ),
+        machine_rank: pick(
+            &mut o,
+            "machine_rank",
+            flags.machine_rank,
+            None,
+            (path, c.machine_rank),
+        ),
+        main_process_ip: pick(
+            &mut o,
+            "main_process_ip",
+            flags.main_process_ip,
+            None,
+            (path, c.main_process_ip),
+        ),
+        main_process_port: pick(
+            &mut o,
+            "main_process_port",
+            flags.main_process_port,
+            None,
+            (path, c.main_process_port),
+        ),
+        hostfile: pick(
+            &mut o,
+            "hostfile",
+            flags.hostfile,
+            None,
+            (path, file_hostfile),
+        ),
+        hosts: pick(&mut o, "hosts", None, None, (path, file_hosts)),
+        config_file: flags.config_file,
+        dry_run: flags.dry_run,
+        program: flags.program,
+        program_args: flags.program_args,
+    };
+    // The backend has no flag: the file may name it, and mpi is the only one launched today.
+    pick(&mut o, "backend", None, None, (path, c.backend));
+    Ok((merged, o))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    fn origin<'a>(o: &'a [Origin], key: &str) -> &'a Origin {
+        o.iter().find(|x| x.key == key).unwrap()
+    }
+
+    #[test]
+    fn flags_beat_the_environment_which_beats_the_file() {
+        let file = Config {
+            num_processes: Some(4),
+            mixed_precision: Some(Precision::Fp16),
+            gradient_accumulation_steps: Some(3),
+            cpu: Some(true),
+            ..Config::default()
+        };
+        let flags = LaunchArgs {
+            num_processes: Some(2),
+            ..LaunchArgs::default()
+        };
+        let p = Path::new("/cfg.toml");
+        let (a, o) = merge(flags, Some((p, &file)), &env(&[("IVME_PRECISION", "bf16")])).unwrap();
+        assert_eq!(a.num_processes, Some(2));
+        assert_eq!(a.mixed_precision, Some(Precision::Bf16));
+        assert_eq!(a.gradient_accumulation_steps, Some(3));
+        assert_eq!(
+            origin(&o, "num_processes").describe(),
+            "flag --num_processes; the config file's 4 is overridden"
+        );
+        assert_eq!(
+            origin(&o, "mixed_precision").from,
+            From::Env("IVME_PRECISION")
+        );
+        assert_eq!(
+            origin(&o, "gradient_accumulation_steps").describe(),
+            "config file /cfg.toml"
+        );
+        assert_eq!(origin(&o, "main_process_port").from, From::Default);
+    }
+
+    #[test]
+    fn a_bad_environment_value_is_named() {
+        let e = merge(
+            LaunchArgs::default(),
+            None,
+            &env(&[("IVME_GRAD_ACCUM", "0")]),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("IVME_GRAD_ACCUM") && e.contains("at least 1"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_hostfile_flag_replaces_the_files_machines() {
+        let file = Config {
+            num_machines: Some(3),
+            hosts: Some(vec!["a".into(), "b".into(), "c".into()]),
+            ..Config::default()
+        };
+        let flags = LaunchArgs {
+            hostfile: Some("h".into()),
+            ..LaunchArgs::default()
+        };
+        let (a, _) = merge(flags, Some((Path::new("c"), &file)), &[]).unwrap();
+        assert_eq!((a.num_machines, a.hosts), (None, None));
+    }
+}
