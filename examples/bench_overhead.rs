@@ -57,10 +57,18 @@ fn data(dims: &[usize], n: usize) -> ivme::Result<(Tensor, Tensor)> {
 /// Seconds per step of the plain candle loop over pre-sliced batches.
 fn plain(case: &Case, x: &Tensor, y: &Tensor) -> ivme::Result<f64> {
     let varmap = VarMap::new();
-    let model = Mlp::new(VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu), &case.dims)?;
+    let model = Mlp::new(
+        VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu),
+        &case.dims,
+    )?;
     let mut opt = candle_nn::AdamW::new(varmap.all_vars(), ParamsAdamW::default())?;
     let batches: Vec<(Tensor, Tensor)> = (0..case.steps)
-        .map(|i| Ok((x.narrow(0, i * case.batch, case.batch)?, y.narrow(0, i * case.batch, case.batch)?)))
+        .map(|i| {
+            Ok((
+                x.narrow(0, i * case.batch, case.batch)?,
+                y.narrow(0, i * case.batch, case.batch)?,
+            ))
+        })
         .collect::<candle_core::Result<_>>()?;
     let t = Instant::now();
     for (xb, yb) in &batches {
@@ -73,7 +81,10 @@ fn plain(case: &Case, x: &Tensor, y: &Tensor) -> ivme::Result<f64> {
 /// Seconds per step of the same loop through the Accelerator, its loader and optimizer.
 fn accelerated(acc: &mut Accelerator, case: &Case, x: &Tensor, y: &Tensor) -> ivme::Result<f64> {
     let varmap = VarMap::new();
-    let model = Mlp::new(VarBuilder::from_varmap(&varmap, acc.param_dtype(DType::F32), acc.device()), &case.dims)?;
+    let model = Mlp::new(
+        VarBuilder::from_varmap(&varmap, acc.param_dtype(DType::F32), acc.device()),
+        &case.dims,
+    )?;
     let opt = ivme::optim::AdamW::new(varmap.all_vars(), ParamsAdamW::default())?;
     let world = acc.num_processes();
     let loader = DataLoader::new(TensorDataset::new((x.clone(), y.clone()))?, case.batch);
@@ -97,10 +108,23 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 fn main() -> ivme::Result<()> {
-    let rounds: usize = std::env::args().nth(1).and_then(|a| a.parse().ok()).unwrap_or(7);
+    let rounds: usize = std::env::args()
+        .nth(1)
+        .and_then(|a| a.parse().ok())
+        .unwrap_or(7);
     let cases = [
-        Case { name: "tiny 32-32-1, batch 16", dims: vec![32, 32, 1], batch: 16, steps: 400 },
-        Case { name: "wide 256-1024-1024-1, batch 64", dims: vec![256, 1024, 1024, 1], batch: 64, steps: 16 },
+        Case {
+            name: "tiny 32-32-1, batch 16",
+            dims: vec![32, 32, 1],
+            batch: 16,
+            steps: 400,
+        },
+        Case {
+            name: "wide 256-1024-1024-1, batch 64",
+            dims: vec![256, 1024, 1024, 1],
+            batch: 64,
+            steps: 16,
+        },
     ];
     let modes: [(&str, usize, Precision); 4] = [
         ("f32", 1, Precision::No),
@@ -111,7 +135,12 @@ fn main() -> ivme::Result<()> {
     // One Accelerator per mode; MPI starts once, with the first.
     let mut accs: Vec<Accelerator> = Vec::new();
     for (_, accum, p) in modes {
-        accs.push(Accelerator::builder().grad_accum(accum).precision(p).build()?);
+        accs.push(
+            Accelerator::builder()
+                .grad_accum(accum)
+                .precision(p)
+                .build()?,
+        );
         if accs.len() == 1 && accs[0].num_processes() > 1 {
             break;
         }
@@ -133,10 +162,19 @@ fn main() -> ivme::Result<()> {
             }
         }
         let b = median(base);
-        accs[0].print(format!("{}: plain candle {:.1} µs/step", case.name, b * 1e6));
+        accs[0].print(format!(
+            "{}: plain candle {:.1} µs/step",
+            case.name,
+            b * 1e6
+        ));
         for (i, r) in runs.into_iter().enumerate() {
             let m = median(r);
-            accs[0].print(format!("  ivme {:<18} {:>10.1} µs/step  ratio {:.3}", modes[i].0, m * 1e6, m / b));
+            accs[0].print(format!(
+                "  ivme {:<18} {:>10.1} µs/step  ratio {:.3}",
+                modes[i].0,
+                m * 1e6,
+                m / b
+            ));
         }
     }
     Ok(())

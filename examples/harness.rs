@@ -7,12 +7,12 @@
 
 use candle_core::{DType, Module, Tensor};
 use candle_nn::{linear, Linear, Optimizer, VarBuilder, VarMap};
-use ivme::data::{DataLoader, TensorDataset};
 use ivme::checkpoint::ProjectConfiguration;
+use ivme::data::{DataLoader, TensorDataset};
 use ivme::optim::{AdamW, LrScheduler, ParamsAdamW, ParamsSgd, Sgd, StepLr, WarmupLinear};
+use ivme::optim::{Linked, StatefulOptimizer};
 use ivme::rng::Rng;
 use ivme::stateful::{Shared, StateDict, Stateful};
-use ivme::optim::{Linked, StatefulOptimizer};
 use ivme::{Accelerator, Gradients, Precision};
 use std::collections::BTreeMap;
 
@@ -26,7 +26,11 @@ pub struct Mlp {
 
 impl Mlp {
     fn new(vb: VarBuilder, dropout: Option<(f32, Shared<Rng>)>) -> candle_core::Result<Self> {
-        Ok(Mlp { a: linear(4, 8, vb.pp("a"))?, b: linear(8, 1, vb.pp("b"))?, dropout })
+        Ok(Mlp {
+            a: linear(4, 8, vb.pp("a"))?,
+            b: linear(8, 1, vb.pp("b"))?,
+            dropout,
+        })
     }
 }
 
@@ -62,15 +66,24 @@ impl Args {
         Args(
             std::env::args()
                 .skip(1)
-                .filter_map(|a| a.split_once('=').map(|(k, v)| (k.to_string(), v.to_string())))
+                .filter_map(|a| {
+                    a.split_once('=')
+                        .map(|(k, v)| (k.to_string(), v.to_string()))
+                })
                 .collect(),
         )
     }
     fn get<T: std::str::FromStr>(&self, k: &str, default: T) -> T {
-        self.0.get(k).and_then(|v| v.parse().ok()).unwrap_or(default)
+        self.0
+            .get(k)
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(default)
     }
     fn str(&self, k: &str, default: &str) -> String {
-        self.0.get(k).cloned().unwrap_or_else(|| default.to_string())
+        self.0
+            .get(k)
+            .cloned()
+            .unwrap_or_else(|| default.to_string())
     }
 }
 
@@ -123,7 +136,10 @@ fn main() -> ivme::Result<()> {
     let varmap = VarMap::new();
     let dropout: f32 = args.get("dropout", 0.0);
     let dropout = (dropout > 0.0).then(|| (dropout, acc.rng()));
-    let model = Mlp::new(VarBuilder::from_varmap(&varmap, acc.param_dtype(DType::F32), &dev), dropout)?;
+    let model = Mlp::new(
+        VarBuilder::from_varmap(&varmap, acc.param_dtype(DType::F32), &dev),
+        dropout,
+    )?;
     // Each rank starts from different weights: prepare must make them all rank 0's.
     init_weights(&varmap, 1 + 1000 * rank as u64)?;
 
@@ -139,11 +155,19 @@ fn main() -> ivme::Result<()> {
     let mut opt = match opt_name.as_str() {
         "adamw" => Opt::AdamW(acc.prepare(AdamW::new(
             varmap.all_vars(),
-            ParamsAdamW { lr, weight_decay: 0.01, ..Default::default() },
+            ParamsAdamW {
+                lr,
+                weight_decay: 0.01,
+                ..Default::default()
+            },
         )?)?),
         _ => Opt::Sgd(acc.prepare(Sgd::new(
             varmap.all_vars(),
-            ParamsSgd { lr, momentum: args.get("momentum", 0.0), ..Default::default() },
+            ParamsSgd {
+                lr,
+                momentum: args.get("momentum", 0.0),
+                ..Default::default()
+            },
         )?)?),
     };
     let mut sched = match (args.str("sched", "none").as_str(), &opt) {
@@ -156,7 +180,9 @@ fn main() -> ivme::Result<()> {
 
     if let Some(dir) = args.0.get("project") {
         acc.set_project_configuration(
-            ProjectConfiguration::new(dir).automatic_checkpoint_naming(true).total_limit(2),
+            ProjectConfiguration::new(dir)
+                .automatic_checkpoint_naming(true)
+                .total_limit(2),
         )?;
     }
     let progress = acc.register_for_checkpointing(Progress { micro: 0 });
@@ -177,7 +203,14 @@ fn main() -> ivme::Result<()> {
             },
             "optimizer" => {
                 if let Opt::AdamW(o) = &mut opt {
-                    let fresh = AdamW::new(o.inner().vars().to_vec(), ParamsAdamW { lr: o.learning_rate(), weight_decay: 0.01, ..Default::default() })?;
+                    let fresh = AdamW::new(
+                        o.inner().vars().to_vec(),
+                        ParamsAdamW {
+                            lr: o.learning_rate(),
+                            weight_decay: 0.01,
+                            ..Default::default()
+                        },
+                    )?;
                     let mut st = fresh.state_dict()?;
                     st.scalars["step"] = o.inner().state_dict()?.scalars["step"].clone();
                     o.inner().load_state_dict(&st)?;
@@ -246,7 +279,8 @@ fn main() -> ivme::Result<()> {
     let out = args.str("out", ".");
     std::fs::create_dir_all(&out).map_err(|e| ivme::Error::io(format!("creating {out}"), e))?;
     let path = format!("{out}/rank{rank}.json");
-    std::fs::write(&path, serde_json::to_vec_pretty(&report)?).map_err(|e| ivme::Error::io(format!("writing {path}"), e))?;
+    std::fs::write(&path, serde_json::to_vec_pretty(&report)?)
+        .map_err(|e| ivme::Error::io(format!("writing {path}"), e))?;
     Ok(())
 }
 
@@ -267,7 +301,9 @@ fn init_weights(varmap: &VarMap, seed: u64) -> ivme::Result<()> {
     names.sort();
     for name in names {
         let var = &data[name];
-        let t = rng.randn(0.0, 0.5, var.shape(), var.device())?.to_dtype(var.dtype())?;
+        let t = rng
+            .randn(0.0, 0.5, var.shape(), var.device())?
+            .to_dtype(var.dtype())?;
         var.set(&t)?;
     }
     Ok(())

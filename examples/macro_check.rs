@@ -18,7 +18,10 @@ struct Mlp {
 
 impl Mlp {
     fn new(vb: VarBuilder) -> candle_core::Result<Self> {
-        Ok(Mlp { a: linear(4, 8, vb.pp("a"))?, b: linear(8, 1, vb.pp("b"))? })
+        Ok(Mlp {
+            a: linear(4, 8, vb.pp("a"))?,
+            b: linear(8, 1, vb.pp("b"))?,
+        })
     }
 }
 
@@ -45,12 +48,16 @@ fn batches(count: usize) -> candle_core::Result<Vec<(Tensor, Tensor)>> {
     let mut rng = Rng::new(42);
     let x = rng.randn(0.0, 1.0, (count * 4, 4), &Device::Cpu)?;
     let y = x.sum_keepdim(1)?.sin()?;
-    (0..count).map(|i| Ok((x.narrow(0, i * 4, 4)?, y.narrow(0, i * 4, 4)?))).collect()
+    (0..count)
+        .map(|i| Ok((x.narrow(0, i * 4, 4)?, y.narrow(0, i * 4, 4)?)))
+        .collect()
 }
 
 fn weights(varmap: &VarMap) -> candle_core::Result<BTreeMap<String, Vec<f32>>> {
     let data = varmap.data().lock().expect("varmap lock");
-    data.iter().map(|(k, v)| Ok((k.clone(), v.as_tensor().flatten_all()?.to_vec1::<f32>()?))).collect()
+    data.iter()
+        .map(|(k, v)| Ok((k.clone(), v.as_tensor().flatten_all()?.to_vec1::<f32>()?)))
+        .collect()
 }
 
 fn write(out: &str, rank: usize, w: &BTreeMap<String, Vec<f32>>) -> candle_core::Result<()> {
@@ -66,7 +73,13 @@ fn train_macro(batches: Vec<(Tensor, Tensor)>, out: &str) -> candle_core::Result
     let varmap = VarMap::new();
     let model = Mlp::new(VarBuilder::from_varmap(&varmap, DType::F32, &device))?;
     init(&varmap, accelerator.process_index())?;
-    let mut opt = Sgd::new(varmap.all_vars(), ivme::optim::ParamsSgd { lr: 0.1, ..Default::default() })?;
+    let mut opt = Sgd::new(
+        varmap.all_vars(),
+        ivme::optim::ParamsSgd {
+            lr: 0.1,
+            ..Default::default()
+        },
+    )?;
     for (inputs, targets) in batches {
         let outputs = model.forward(&inputs.to_device(&device)?)?;
         let loss = candle_nn::loss::mse(&outputs, &targets.to_device(&device)?)?;
@@ -82,7 +95,13 @@ fn train_macro_accum(batches: Vec<(Tensor, Tensor)>, out: &str) -> candle_core::
     let varmap = VarMap::new();
     let model = Mlp::new(VarBuilder::from_varmap(&varmap, DType::F32, &device))?;
     init(&varmap, accelerator.process_index())?;
-    let mut opt = Sgd::new(varmap.all_vars(), ivme::optim::ParamsSgd { lr: 0.1, ..Default::default() })?;
+    let mut opt = Sgd::new(
+        varmap.all_vars(),
+        ivme::optim::ParamsSgd {
+            lr: 0.1,
+            ..Default::default()
+        },
+    )?;
     for (inputs, targets) in batches {
         let outputs = model.forward(&inputs.to_device(&device)?)?;
         let loss = candle_nn::loss::mse(&outputs, &targets.to_device(&device)?)?;
@@ -97,9 +116,19 @@ fn train_hand(batches: Vec<(Tensor, Tensor)>, accum: usize, out: &str) -> ivme::
     let mut acc = Accelerator::builder().grad_accum(accum).build()?;
     let (rank, world) = (acc.process_index(), acc.num_processes());
     let varmap = VarMap::new();
-    let model = Mlp::new(VarBuilder::from_varmap(&varmap, acc.param_dtype(DType::F32), acc.device()))?;
+    let model = Mlp::new(VarBuilder::from_varmap(
+        &varmap,
+        acc.param_dtype(DType::F32),
+        acc.device(),
+    ))?;
     init(&varmap, rank)?;
-    let opt = Sgd::new(varmap.all_vars(), ivme::optim::ParamsSgd { lr: 0.1, ..Default::default() })?;
+    let opt = Sgd::new(
+        varmap.all_vars(),
+        ivme::optim::ParamsSgd {
+            lr: 0.1,
+            ..Default::default()
+        },
+    )?;
     let (varmap, mut opt) = acc.prepare((varmap, opt))?;
     let mine: Vec<_> = batches.into_iter().skip(rank).step_by(world).collect();
     for (i, (inputs, targets)) in mine.iter().enumerate() {
@@ -115,7 +144,10 @@ fn train_hand(batches: Vec<(Tensor, Tensor)>, accum: usize, out: &str) -> ivme::
 fn main() -> ivme::Result<()> {
     let args: BTreeMap<String, String> = std::env::args()
         .skip(1)
-        .filter_map(|a| a.split_once('=').map(|(k, v)| (k.to_string(), v.to_string())))
+        .filter_map(|a| {
+            a.split_once('=')
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+        })
         .collect();
     let get = |k: &str, d: &str| args.get(k).cloned().unwrap_or_else(|| d.to_string());
     let steps: usize = get("steps", "8").parse().unwrap_or(8);

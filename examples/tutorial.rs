@@ -18,7 +18,10 @@ struct Mlp {
 
 impl Mlp {
     fn new(vb: VarBuilder) -> candle_core::Result<Self> {
-        Ok(Mlp { hidden: linear(8, 32, vb.pp("hidden"))?, out: linear(32, 1, vb.pp("out"))? })
+        Ok(Mlp {
+            hidden: linear(8, 32, vb.pp("hidden"))?,
+            out: linear(32, 1, vb.pp("out"))?,
+        })
     }
 }
 
@@ -40,13 +43,26 @@ fn synthetic(n: usize) -> ivme::Result<TensorDataset<(Tensor, Tensor)>> {
 }
 
 fn main() -> ivme::Result<()> {
-    let epochs: usize = std::env::args().nth(1).and_then(|a| a.parse().ok()).unwrap_or(5);
+    let epochs: usize = std::env::args()
+        .nth(1)
+        .and_then(|a| a.parse().ok())
+        .unwrap_or(5);
     let mut accelerator = Accelerator::new()?;
     let device = accelerator.device().clone();
 
     let varmap = VarMap::new();
-    let model = Mlp::new(VarBuilder::from_varmap(&varmap, accelerator.param_dtype(DType::F32), &device))?;
-    let opt = AdamW::new(varmap.all_vars(), ParamsAdamW { lr: 1e-2, ..Default::default() })?;
+    let model = Mlp::new(VarBuilder::from_varmap(
+        &varmap,
+        accelerator.param_dtype(DType::F32),
+        &device,
+    ))?;
+    let opt = AdamW::new(
+        varmap.all_vars(),
+        ParamsAdamW {
+            lr: 1e-2,
+            ..Default::default()
+        },
+    )?;
     let loader = DataLoader::new(synthetic(512)?, 32).shuffle(true).seed(7);
     let (varmap, mut opt, mut loader) = accelerator.prepare((varmap, opt, loader))?;
     let _ = &varmap;
@@ -65,8 +81,13 @@ fn main() -> ivme::Result<()> {
         }
         // The epoch's loss averaged over every process's batches.
         let mean = Tensor::new(&[total / batches.max(1) as f32], &device)?;
-        let mean = accelerator.comm().all_reduce(&mean, ivme::comm::ReduceOp::Mean)?;
-        accelerator.print(format!("epoch {epoch}: loss {:.5}", mean.to_vec1::<f32>()?[0]));
+        let mean = accelerator
+            .comm()
+            .all_reduce(&mean, ivme::comm::ReduceOp::Mean)?;
+        accelerator.print(format!(
+            "epoch {epoch}: loss {:.5}",
+            mean.to_vec1::<f32>()?[0]
+        ));
     }
     Ok(())
 }

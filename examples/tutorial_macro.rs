@@ -22,7 +22,10 @@ struct Mlp {
 
 impl Mlp {
     fn new(vb: VarBuilder) -> candle_core::Result<Self> {
-        Ok(Mlp { hidden: linear(8, 64, vb.pp("hidden"))?, out: linear(64, 1, vb.pp("out"))? })
+        Ok(Mlp {
+            hidden: linear(8, 64, vb.pp("hidden"))?,
+            out: linear(64, 1, vb.pp("out"))?,
+        })
     }
 }
 
@@ -41,7 +44,13 @@ fn train(batches: Vec<(Tensor, Tensor)>, epochs: usize) -> candle_core::Result<(
     let device = Device::Cpu;
     let varmap = VarMap::new();
     let model = Mlp::new(VarBuilder::from_varmap(&varmap, DType::F32, &device))?;
-    let mut opt = AdamW::new(varmap.all_vars(), ParamsAdamW { lr: 3e-3, ..Default::default() })?;
+    let mut opt = AdamW::new(
+        varmap.all_vars(),
+        ParamsAdamW {
+            lr: 3e-3,
+            ..Default::default()
+        },
+    )?;
     let mut scheduler = LrScheduler::new(&opt, WarmupCosine::new(5, 200)?);
     for epoch in 0..epochs {
         let mut total = 0f32;
@@ -80,6 +89,9 @@ fn batches() -> ivme::Result<Vec<(Tensor, Tensor)>> {
 }
 
 fn main() -> candle_core::Result<()> {
-    let epochs = std::env::args().nth(1).and_then(|a| a.parse().ok()).unwrap_or(8);
+    let epochs = std::env::args()
+        .nth(1)
+        .and_then(|a| a.parse().ok())
+        .unwrap_or(8);
     train(batches()?, epochs)
 }

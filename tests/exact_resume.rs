@@ -19,7 +19,10 @@ fn harness(n: usize, args: &[&str], out: &Path) -> Vec<Value> {
     all.push(&out_arg);
     let o = common::launch(n, &common::example_bin("harness"), &all, &[]);
     let (so, se) = common::text(&o);
-    assert!(o.status.success(), "harness {args:?} failed\nstdout:\n{so}\nstderr:\n{se}");
+    assert!(
+        o.status.success(),
+        "harness {args:?} failed\nstdout:\n{so}\nstderr:\n{se}"
+    );
     (0..n)
         .filter_map(|r| std::fs::read(out.join(format!("rank{r}.json"))).ok())
         .map(|b| serde_json::from_slice(&b).unwrap())
@@ -32,7 +35,13 @@ fn params(v: &Value) -> BTreeMap<String, Vec<f32>> {
 
 /// Trains `total` micro-steps straight through, and again as a run that saves at `save_at`
 /// and exits plus a fresh run that resumes; returns (uninterrupted, resumed) rank-0 weights.
-fn straight_and_resumed(tag: &str, common_args: &[&str], total: usize, save_at: usize, brk: &str) -> (BTreeMap<String, Vec<f32>>, BTreeMap<String, Vec<f32>>) {
+fn straight_and_resumed(
+    tag: &str,
+    common_args: &[&str],
+    total: usize,
+    save_at: usize,
+    brk: &str,
+) -> (BTreeMap<String, Vec<f32>>, BTreeMap<String, Vec<f32>>) {
     let steps = format!("steps={total}");
     let a_out = tmp(&format!("{tag}-a"));
     let mut a_args = common_args.to_vec();
@@ -46,8 +55,16 @@ fn straight_and_resumed(tag: &str, common_args: &[&str], total: usize, save_at: 
     let mut b_args = a_args.clone();
     b_args.extend([project_arg.as_str(), save.as_str()]);
     let b = harness(2, &b_args, &b_out);
-    assert!(b.is_empty(), "the saving run must stop before writing its final report");
-    assert!(project.join("checkpoints/checkpoint_0/manifest.json").is_file(), "no checkpoint committed");
+    assert!(
+        b.is_empty(),
+        "the saving run must stop before writing its final report"
+    );
+    assert!(
+        project
+            .join("checkpoints/checkpoint_0/manifest.json")
+            .is_file(),
+        "no checkpoint committed"
+    );
 
     let c_out = tmp(&format!("{tag}-c"));
     let brk = format!("break={brk}");
@@ -61,7 +78,16 @@ fn straight_and_resumed(tag: &str, common_args: &[&str], total: usize, save_at: 
     (params(&a[0]), params(&c[0]))
 }
 
-const BASE: &[&str] = &["opt=adamw", "batch=4", "n=48", "accum=2", "lr=0.01", "shuffle=1", "sched=warmup", "dropout=0.2"];
+const BASE: &[&str] = &[
+    "opt=adamw",
+    "batch=4",
+    "n=48",
+    "accum=2",
+    "lr=0.01",
+    "shuffle=1",
+    "sched=warmup",
+    "dropout=0.2",
+];
 
 #[test]
 fn a_resumed_run_equals_an_uninterrupted_one_bit_for_bit() {

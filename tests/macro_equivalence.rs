@@ -9,16 +9,29 @@ use candle_nn::SGD;
 use std::collections::BTreeMap;
 
 fn run(n: usize, mode: &str, accum: usize, steps: usize) -> Vec<BTreeMap<String, Vec<f32>>> {
-    let out = std::env::temp_dir().join(format!("ivme-macro-{mode}-{n}-{accum}-{}", std::process::id()));
+    let out = std::env::temp_dir().join(format!(
+        "ivme-macro-{mode}-{n}-{accum}-{}",
+        std::process::id()
+    ));
     let _ = std::fs::remove_dir_all(&out);
-    let args = [format!("mode={mode}"), format!("accum={accum}"), format!("steps={steps}"), format!("out={}", out.display())];
+    let args = [
+        format!("mode={mode}"),
+        format!("accum={accum}"),
+        format!("steps={steps}"),
+        format!("out={}", out.display()),
+    ];
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let o = common::launch(n, &common::example_bin("macro_check"), &args, &[]);
     let (so, se) = common::text(&o);
-    assert!(o.status.success(), "macro_check {args:?} failed\nstdout:\n{so}\nstderr:\n{se}");
+    assert!(
+        o.status.success(),
+        "macro_check {args:?} failed\nstdout:\n{so}\nstderr:\n{se}"
+    );
     let r = (0..n)
         .map(|r| {
-            let v: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join(format!("rank{r}.json"))).unwrap()).unwrap();
+            let v: serde_json::Value =
+                serde_json::from_slice(&std::fs::read(out.join(format!("rank{r}.json"))).unwrap())
+                    .unwrap();
             serde_json::from_value(v["params"].clone()).unwrap()
         })
         .collect();
@@ -32,13 +45,20 @@ fn macro_hand_written_and_plain_candle_agree() {
     let order: Vec<usize> = (0..32).collect();
     for (procs, accum) in [(1usize, 1usize), (1, 2), (2, 1), (2, 2)] {
         let per_step = 4 * procs * accum;
-        let expected = reference::train::<SGD>(32, &reference::chunks(&order, per_step, 32 / per_step), 0.1);
+        let expected =
+            reference::train::<SGD>(32, &reference::chunks(&order, per_step, 32 / per_step), 0.1);
         let by_macro = run(procs, "macro", accum, 8);
         let by_hand = run(procs, "hand", accum, 8);
         for r in 0..procs {
-            assert_eq!(by_macro[r], by_hand[r], "{procs} procs, accum {accum}: macro and hand differ on rank {r}");
+            assert_eq!(
+                by_macro[r], by_hand[r],
+                "{procs} procs, accum {accum}: macro and hand differ on rank {r}"
+            );
             let d = reference::max_diff(&by_macro[r], &expected);
-            assert!(d <= 1e-6, "{procs} procs, accum {accum}: {d} from plain candle");
+            assert!(
+                d <= 1e-6,
+                "{procs} procs, accum {accum}: {d} from plain candle"
+            );
         }
     }
 }

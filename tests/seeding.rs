@@ -18,5 +18,9 @@ fn set_seed_restarts_the_same_stream_and_rank_specific_seeds_differ() {
     acc.set_seed(6, false);
     assert_ne!(a, draws(&acc), "another seed must give other draws");
     acc.set_seed(5, true);
-    assert_ne!(a, draws(&acc), "a rank-specific stream must differ from the shared one");
+    assert_ne!(
+        a,
+        draws(&acc),
+        "a rank-specific stream must differ from the shared one"
+    );
 }

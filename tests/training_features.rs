@@ -17,9 +17,15 @@ fn run(n: usize, args: &[&str], tag: &str) -> Vec<Value> {
     all.push(&out_arg);
     let o = common::launch(n, &common::example_bin("harness"), &all, &[]);
     let (so, se) = common::text(&o);
-    assert!(o.status.success(), "harness failed\nstdout:\n{so}\nstderr:\n{se}");
+    assert!(
+        o.status.success(),
+        "harness failed\nstdout:\n{so}\nstderr:\n{se}"
+    );
     let r = (0..n)
-        .map(|r| serde_json::from_slice(&std::fs::read(out.join(format!("rank{r}.json"))).unwrap()).unwrap())
+        .map(|r| {
+            serde_json::from_slice(&std::fs::read(out.join(format!("rank{r}.json"))).unwrap())
+                .unwrap()
+        })
         .collect();
     let _ = std::fs::remove_dir_all(&out);
     r
@@ -36,7 +42,13 @@ fn micro(v: &Value) -> &Vec<Value> {
 #[test]
 fn accumulation_on_two_ranks_equals_one_big_batch_and_skips_communication() {
     // 2 ranks × batch 4 × 2 micro-batches = 16 samples per optimizer step; 6 steps.
-    let reports = run(2, &["opt=sgd", "steps=12", "batch=4", "n=96", "accum=2", "lr=0.1"], "accum");
+    let reports = run(
+        2,
+        &[
+            "opt=sgd", "steps=12", "batch=4", "n=96", "accum=2", "lr=0.1",
+        ],
+        "accum",
+    );
     let order: Vec<usize> = (0..96).collect();
     let expected = reference::train::<SGD>(96, &reference::chunks(&order, 16, 6), 0.1);
     for r in &reports {
@@ -54,7 +66,12 @@ fn accumulation_on_two_ranks_equals_one_big_batch_and_skips_communication() {
             }
             let sum = m["param_sum"].as_f64().unwrap();
             if let Some(prev) = last {
-                assert_eq!(sum != prev, sync, "weights changed on the wrong micro-step {}", i + 1);
+                assert_eq!(
+                    sum != prev,
+                    sync,
+                    "weights changed on the wrong micro-step {}",
+                    i + 1
+                );
             }
             last = Some(sum);
         }
@@ -64,18 +81,29 @@ fn accumulation_on_two_ranks_equals_one_big_batch_and_skips_communication() {
 #[test]
 fn a_short_last_window_gets_its_true_mean_gradient_on_one_process() {
     // 4 batches, windows of 3: the windows are 3 batches and 1 batch.
-    let reports = run(1, &["opt=sgd", "steps=4", "batch=4", "n=16", "accum=3", "lr=0.1"], "short1");
+    let reports = run(
+        1,
+        &["opt=sgd", "steps=4", "batch=4", "n=16", "accum=3", "lr=0.1"],
+        "short1",
+    );
     let order: Vec<usize> = (0..16).collect();
     let expected = reference::train::<SGD>(16, &[order[..12].to_vec(), order[12..].to_vec()], 0.1);
     let diff = reference::max_diff(&params(&reports[0]), &expected);
     assert!(diff <= 1e-6, "max abs diff {diff}");
-    let syncs: Vec<bool> = micro(&reports[0]).iter().map(|m| m["sync"].as_bool().unwrap()).collect();
+    let syncs: Vec<bool> = micro(&reports[0])
+        .iter()
+        .map(|m| m["sync"].as_bool().unwrap())
+        .collect();
     assert_eq!(syncs, [false, false, true, true]);
 }
 
 #[test]
 fn a_short_last_window_gets_its_true_mean_gradient_on_two_processes() {
-    let reports = run(2, &["opt=sgd", "steps=4", "batch=4", "n=32", "accum=3", "lr=0.1"], "short2");
+    let reports = run(
+        2,
+        &["opt=sgd", "steps=4", "batch=4", "n=32", "accum=3", "lr=0.1"],
+        "short2",
+    );
     let order: Vec<usize> = (0..32).collect();
     let expected = reference::train::<SGD>(32, &[order[..24].to_vec(), order[24..].to_vec()], 0.1);
     for r in &reports {
@@ -86,17 +114,45 @@ fn a_short_last_window_gets_its_true_mean_gradient_on_two_processes() {
 
 #[test]
 fn step_lr_follows_real_optimizer_steps_only() {
-    let reports = run(2, &["opt=sgd", "steps=4", "batch=4", "n=64", "accum=2", "lr=1.0", "sched=step"], "sched");
+    let reports = run(
+        2,
+        &[
+            "opt=sgd",
+            "steps=4",
+            "batch=4",
+            "n=64",
+            "accum=2",
+            "lr=1.0",
+            "sched=step",
+        ],
+        "sched",
+    );
     for r in &reports {
         let lrs: Vec<f64> = micro(r).iter().map(|m| m["lr"].as_f64().unwrap()).collect();
         assert_eq!(lrs, [1.0, 0.5, 0.5, 0.25], "rank {}", r["rank"]);
     }
-    let one = run(2, &["opt=sgd", "steps=1", "batch=4", "n=64", "lr=1.0", "sched=step"], "sched1");
+    let one = run(
+        2,
+        &[
+            "opt=sgd",
+            "steps=1",
+            "batch=4",
+            "n=64",
+            "lr=1.0",
+            "sched=step",
+        ],
+        "sched1",
+    );
     assert_eq!(micro(&one[0])[0]["lr"].as_f64(), Some(0.5));
 }
 
 /// PyTorch's clip_grad_norm_ on plain candle gradients, then one SGD step per batch.
-fn clipped_reference(n: usize, batches: &[Vec<usize>], lr: f64, max_norm: f64) -> (BTreeMap<String, Vec<f32>>, Vec<f64>) {
+fn clipped_reference(
+    n: usize,
+    batches: &[Vec<usize>],
+    lr: f64,
+    max_norm: f64,
+) -> (BTreeMap<String, Vec<f32>>, Vec<f64>) {
     let (varmap, m) = reference::model();
     let (x, y) = reference::data(n);
     let vars = varmap.all_vars();
@@ -106,7 +162,17 @@ fn clipped_reference(n: usize, batches: &[Vec<usize>], lr: f64, max_norm: f64) -
         let mut grads = reference::loss_on(&m, &x, &y, b).backward().unwrap();
         let total: f64 = vars
             .iter()
-            .map(|v| grads.get(v).unwrap().sqr().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap() as f64)
+            .map(|v| {
+                grads
+                    .get(v)
+                    .unwrap()
+                    .sqr()
+                    .unwrap()
+                    .sum_all()
+                    .unwrap()
+                    .to_scalar::<f32>()
+                    .unwrap() as f64
+            })
             .sum::<f64>()
             .sqrt();
         norms.push(total);
@@ -124,17 +190,30 @@ fn clipped_reference(n: usize, batches: &[Vec<usize>], lr: f64, max_norm: f64) -
 fn clipping_by_norm_uses_the_global_norm_of_the_averaged_gradient() {
     let order: Vec<usize> = (0..48).collect();
     let (expected, norms) = clipped_reference(48, &reference::chunks(&order, 8, 3), 0.1, 0.05);
-    assert!(norms.iter().all(|n| *n > 0.05), "the reference must actually clip: {norms:?}");
+    assert!(
+        norms.iter().all(|n| *n > 0.05),
+        "the reference must actually clip: {norms:?}"
+    );
     for procs in [1usize, 2] {
         let batch = (8 / procs).to_string();
-        let args = ["opt=sgd", "steps=3", &format!("batch={batch}"), "n=48", "lr=0.1", "clip_norm=0.05"];
+        let args = [
+            "opt=sgd",
+            "steps=3",
+            &format!("batch={batch}"),
+            "n=48",
+            "lr=0.1",
+            "clip_norm=0.05",
+        ];
         let reports = run(procs, &args, &format!("clip{procs}"));
         for r in &reports {
             let diff = reference::max_diff(&params(r), &expected);
             assert!(diff <= 1e-6, "{procs} procs: max abs diff {diff}");
             for (m, n) in micro(r).iter().zip(&norms) {
                 let got = m["norm"].as_f64().unwrap();
-                assert!((got - n).abs() <= 1e-5 * n.max(1.0), "{procs} procs: norm {got} vs {n}");
+                assert!(
+                    (got - n).abs() <= 1e-5 * n.max(1.0),
+                    "{procs} procs: norm {got} vs {n}"
+                );
             }
         }
     }
@@ -145,14 +224,27 @@ fn clipping_by_value_clamps_the_synced_gradient() {
     let (varmap, m) = reference::model();
     let (x, y) = reference::data(16);
     let vars = varmap.all_vars();
-    let mut grads = reference::loss_on(&m, &x, &y, &(0..8).collect::<Vec<_>>()).backward().unwrap();
+    let mut grads = reference::loss_on(&m, &x, &y, &(0..8).collect::<Vec<_>>())
+        .backward()
+        .unwrap();
     for v in &vars {
         let g = grads.remove(v).unwrap();
         grads.insert(v, g.clamp(-0.01, 0.01).unwrap());
     }
     SGD::new(vars, 0.1).unwrap().step(&grads).unwrap();
     let expected = reference::params(&varmap);
-    let reports = run(2, &["opt=sgd", "steps=1", "batch=4", "n=16", "lr=0.1", "clip_value=0.01"], "clipv");
+    let reports = run(
+        2,
+        &[
+            "opt=sgd",
+            "steps=1",
+            "batch=4",
+            "n=16",
+            "lr=0.1",
+            "clip_value=0.01",
+        ],
+        "clipv",
+    );
     assert!(reference::max_diff(&params(&reports[0]), &expected) <= 1e-6);
 }
 
@@ -162,11 +254,24 @@ fn initial() -> BTreeMap<String, Vec<f32>> {
 
 fn update(after: &BTreeMap<String, Vec<f32>>) -> Vec<f32> {
     let init = initial();
-    after.iter().flat_map(|(k, v)| v.iter().zip(&init[k]).map(|(a, b)| a - b).collect::<Vec<_>>()).collect()
+    after
+        .iter()
+        .flat_map(|(k, v)| {
+            v.iter()
+                .zip(&init[k])
+                .map(|(a, b)| a - b)
+                .collect::<Vec<_>>()
+        })
+        .collect()
 }
 
 fn rel_err(a: &[f32], b: &[f32]) -> f32 {
-    let num: f32 = a.iter().zip(b).map(|(x, y)| (x - y).powi(2)).sum::<f32>().sqrt();
+    let num: f32 = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).powi(2))
+        .sum::<f32>()
+        .sqrt();
     let den: f32 = b.iter().map(|y| y * y).sum::<f32>().sqrt();
     num / den
 }
@@ -174,11 +279,30 @@ fn rel_err(a: &[f32], b: &[f32]) -> f32 {
 #[test]
 fn low_precision_first_update_is_close_to_f32_and_computes_in_the_low_dtype() {
     let order: Vec<usize> = (0..16).collect();
-    let f32_update = update(&reference::train::<SGD>(16, &[order.clone()], 0.1));
+    let f32_update = update(&reference::train::<SGD>(
+        16,
+        std::slice::from_ref(&order),
+        0.1,
+    ));
     for (p, dtype, tol) in [("fp16", "F16", 0.02), ("bf16", "BF16", 0.05)] {
-        let reports = run(2, &["opt=sgd", "steps=1", "batch=8", "n=16", "lr=0.1", "init_scale=1024", &format!("precision={p}")], p);
+        let reports = run(
+            2,
+            &[
+                "opt=sgd",
+                "steps=1",
+                "batch=8",
+                "n=16",
+                "lr=0.1",
+                "init_scale=1024",
+                &format!("precision={p}"),
+            ],
+            p,
+        );
         let r = &reports[0];
-        assert_eq!(r["compute_dtype"], dtype, "the model's weights must be {dtype}");
+        assert_eq!(
+            r["compute_dtype"], dtype,
+            "the model's weights must be {dtype}"
+        );
         // The forward's output comes back to f32 at the autocast scope's edge.
         assert_eq!(micro(r)[0]["out_dtype"], "F32");
         let e = rel_err(&update(&params(r)), &f32_update);
@@ -189,8 +313,22 @@ fn low_precision_first_update_is_close_to_f32_and_computes_in_the_low_dtype() {
 #[test]
 fn low_precision_training_converges() {
     for p in ["fp16", "bf16"] {
-        let reports = run(1, &["opt=adamw", "steps=60", "batch=16", "n=128", "lr=0.02", &format!("precision={p}")], &format!("conv{p}"));
-        let losses: Vec<f64> = micro(&reports[0]).iter().map(|m| m["loss"].as_f64().unwrap()).collect();
+        let reports = run(
+            1,
+            &[
+                "opt=adamw",
+                "steps=60",
+                "batch=16",
+                "n=128",
+                "lr=0.02",
+                &format!("precision={p}"),
+            ],
+            &format!("conv{p}"),
+        );
+        let losses: Vec<f64> = micro(&reports[0])
+            .iter()
+            .map(|m| m["loss"].as_f64().unwrap())
+            .collect();
         let head: f64 = losses[..8].iter().sum::<f64>() / 8.0;
         let tail: f64 = losses[losses.len() - 8..].iter().sum::<f64>() / 8.0;
         assert!(tail < head * 0.5, "{p}: loss went from {head} to {tail}");
@@ -208,7 +346,19 @@ fn fp16_loss_scaling_keeps_tiny_gradients_alive() {
     let loss = (reference::loss_on(&m, &x, &y, &order) * 1e-7).unwrap();
     opt.backward_step(&loss).unwrap();
     let expected = update(&reference::params(&varmap));
-    let reports = run(1, &["opt=sgd", "steps=1", "batch=16", "n=16", "lr=1e5", "precision=fp16", "loss_scale=1e-7"], "tiny");
+    let reports = run(
+        1,
+        &[
+            "opt=sgd",
+            "steps=1",
+            "batch=16",
+            "n=16",
+            "lr=1e5",
+            "precision=fp16",
+            "loss_scale=1e-7",
+        ],
+        "tiny",
+    );
     let got = update(&params(&reports[0]));
     assert!(got.iter().any(|v| *v != 0.0), "nothing trained");
     let e = rel_err(&got, &expected);
@@ -217,14 +367,31 @@ fn fp16_loss_scaling_keeps_tiny_gradients_alive() {
 
 #[test]
 fn an_injected_inf_skips_exactly_one_step_and_lowers_the_scale() {
-    let reports = run(2, &["opt=sgd", "steps=4", "batch=4", "n=32", "lr=0.1", "precision=fp16", "init_scale=1024", "inject_inf_at=1", "sched=step"], "inf");
+    let reports = run(
+        2,
+        &[
+            "opt=sgd",
+            "steps=4",
+            "batch=4",
+            "n=32",
+            "lr=0.1",
+            "precision=fp16",
+            "init_scale=1024",
+            "inject_inf_at=1",
+            "sched=step",
+        ],
+        "inf",
+    );
     for r in &reports {
         let m = micro(r);
         let skipped: Vec<bool> = m.iter().map(|x| x["skipped"].as_bool().unwrap()).collect();
         assert_eq!(skipped, [false, true, false, false], "rank {}", r["rank"]);
         // The scheduler did not step on the skipped step: three real steps → 0.1 · 0.5^3.
         assert_eq!(m[3]["lr"].as_f64(), Some(0.0125));
-        assert_eq!(m[1]["param_sum"], m[0]["param_sum"], "a skipped step changed the weights");
+        assert_eq!(
+            m[1]["param_sum"], m[0]["param_sum"],
+            "a skipped step changed the weights"
+        );
         assert_eq!(r["scale"].as_f64(), Some(512.0));
     }
 }
@@ -232,12 +399,26 @@ fn an_injected_inf_skips_exactly_one_step_and_lowers_the_scale() {
 #[test]
 fn the_default_fp16_scale_backs_off_until_gradients_fit() {
     // 65536 overflows this model's f16 gradients: steps are skipped, never applied as inf.
-    let reports = run(1, &["opt=sgd", "steps=6", "batch=8", "n=48", "lr=0.1", "precision=fp16"], "backoff");
+    let reports = run(
+        1,
+        &[
+            "opt=sgd",
+            "steps=6",
+            "batch=8",
+            "n=48",
+            "lr=0.1",
+            "precision=fp16",
+        ],
+        "backoff",
+    );
     let m = micro(&reports[0]);
     let skipped = m.iter().filter(|x| x["skipped"].as_bool().unwrap()).count();
     assert!((1..6).contains(&skipped), "skipped {skipped} of 6");
     assert!(m.iter().all(|x| x["skipped"] == x["overflow"]));
-    assert_eq!(reports[0]["scale"].as_f64(), Some(65536.0 / 2f64.powi(skipped as i32)));
+    assert_eq!(
+        reports[0]["scale"].as_f64(),
+        Some(65536.0 / 2f64.powi(skipped as i32))
+    );
     let p = params(&reports[0]);
     assert!(p.values().flatten().all(|v| v.is_finite()));
 }
@@ -246,6 +427,12 @@ fn the_default_fp16_scale_backs_off_until_gradients_fit() {
 fn bf16_matmul_works_on_this_cpu_build() {
     // candle's development branch dropped CPU BF16 matmul without MKL; the pin must keep it.
     let a = Tensor::ones((4, 4), candle_core::DType::BF16, &Device::Cpu).unwrap();
-    let s = a.matmul(&a).unwrap().to_dtype(candle_core::DType::F32).unwrap().sum_all().unwrap();
+    let s = a
+        .matmul(&a)
+        .unwrap()
+        .to_dtype(candle_core::DType::F32)
+        .unwrap()
+        .sum_all()
+        .unwrap();
     assert_eq!(s.to_scalar::<f32>().unwrap(), 64.0);
 }

@@ -175,9 +175,11 @@ impl Accelerator {
 
     fn find_model(&self, varmap: &VarMap) -> Option<usize> {
         let first = varmap.all_vars().into_iter().next()?;
-        self.models
-            .iter()
-            .position(|m| m.compute.iter().any(|v| v.as_tensor().id() == first.as_tensor().id()))
+        self.models.iter().position(|m| {
+            m.compute
+                .iter()
+                .any(|v| v.as_tensor().id() == first.as_tensor().id())
+        })
     }
 
     /// Makes every rank start from rank 0's weights and sets up f32 masters.
@@ -187,12 +189,15 @@ impl Accelerator {
                 "this VarMap was already prepared; prepare each model once".into(),
             ));
         }
-        let mut named: Vec<(String, Var)> = varmap.data().lock().map_err(|_| {
-            Error::Prepare("the VarMap's lock is poisoned by an earlier panic".into())
-        })?
-        .iter()
-        .map(|(k, v)| (k.clone(), v.clone()))
-        .collect();
+        let mut named: Vec<(String, Var)> = varmap
+            .data()
+            .lock()
+            .map_err(|_| {
+                Error::Prepare("the VarMap's lock is poisoned by an earlier panic".into())
+            })?
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
         if named.is_empty() {
             return Err(Error::Prepare(
                 "the VarMap has no variables yet: build the model from it before preparing".into(),
@@ -231,18 +236,29 @@ impl Accelerator {
             master.push(m);
         }
         let sums = vec![None; names.len()];
-        self.models.push(ParamSet { names, compute, master, sums });
+        self.models.push(ParamSet {
+            names,
+            compute,
+            master,
+            sums,
+        });
         Ok(())
     }
 
     /// Points a user optimizer at the masters of a prepared model and wraps it.
-    pub(crate) fn wrap_optimizer<O: StatefulOptimizer>(&mut self, mut opt: O) -> Result<AcceleratedOptimizer<O>> {
+    pub(crate) fn wrap_optimizer<O: StatefulOptimizer>(
+        &mut self,
+        mut opt: O,
+    ) -> Result<AcceleratedOptimizer<O>> {
         let mut masters = Vec::with_capacity(opt.vars().len());
         let mut copies = Vec::new();
         for v in opt.vars() {
             let id = v.as_tensor().id();
             let found = self.models.iter().find_map(|m| {
-                m.compute.iter().position(|c| c.as_tensor().id() == id).map(|i| (m, i))
+                m.compute
+                    .iter()
+                    .position(|c| c.as_tensor().id() == id)
+                    .map(|i| (m, i))
             });
             let Some((m, i)) = found else {
                 return Err(Error::Prepare(
@@ -265,14 +281,20 @@ impl Accelerator {
             .map(|v| self.name_of(v).unwrap_or_default())
             .collect();
         let shared = Shared::new(opt);
-        self.optimizers.push(Box::new(OptimizerSlot { opt: shared.clone(), names }));
+        self.optimizers.push(Box::new(OptimizerSlot {
+            opt: shared.clone(),
+            names,
+        }));
         Ok(AcceleratedOptimizer::new(shared, copies))
     }
 
     fn name_of(&self, var: &Var) -> Option<String> {
         let id = var.as_tensor().id();
         self.models.iter().find_map(|m| {
-            m.master.iter().position(|v| v.as_tensor().id() == id).map(|i| m.names[i].clone())
+            m.master
+                .iter()
+                .position(|v| v.as_tensor().id() == id)
+                .map(|i| m.names[i].clone())
         })
     }
 
@@ -280,7 +302,11 @@ impl Accelerator {
     /// stream on every rank, or with `rank_specific` a different one per rank (what dropout on
     /// different data wants). Loaders shuffle from their own `seed`, identical on every rank.
     pub fn set_seed(&self, seed: u64, rank_specific: bool) {
-        let stream = if rank_specific { self.state.rank as u64 } else { u64::MAX };
+        let stream = if rank_specific {
+            self.state.rank as u64
+        } else {
+            u64::MAX
+        };
         *self.rng.lock() = Rng::new(mix(seed, stream));
     }
 
@@ -310,11 +336,20 @@ impl Accelerator {
         let scale = self.scaler.as_ref().map_or(1.0, |s| s.scale);
         // Each micro-batch counts 1/window of its window's mean; the scale is undone after sync.
         let factor = scale / window as f64;
-        let loss = if loss.dtype() == DType::F32 { loss.clone() } else { loss.to_dtype(DType::F32)? };
-        let loss = if factor == 1.0 { loss } else { (loss * factor)? };
+        let loss = if loss.dtype() == DType::F32 {
+            loss.clone()
+        } else {
+            loss.to_dtype(DType::F32)?
+        };
+        let loss = if factor == 1.0 {
+            loss
+        } else {
+            (loss * factor)?
+        };
         let store = loss.backward()?;
 
-        if sync && self.state.world_size == 1 && self.scaler.is_none() && self.is_plain_fast_path() {
+        if sync && self.state.world_size == 1 && self.scaler.is_none() && self.is_plain_fast_path()
+        {
             // One f32 process with nothing accumulated: candle's own store is already final.
             let mut grads = Gradients::synced(store, false);
             self.clip(&mut grads)?;
@@ -332,7 +367,13 @@ impl Accelerator {
         let inv_scale = 1.0 / scale;
         let mut overflow = false;
         for m in &mut self.models {
-            overflow |= m.take_synced(&self.comm, self.bucket_bytes, inv_scale, self.scaler.is_some(), &mut out)?;
+            overflow |= m.take_synced(
+                &self.comm,
+                self.bucket_bytes,
+                inv_scale,
+                self.scaler.is_some(),
+                &mut out,
+            )?;
         }
         if let Some(s) = &mut self.scaler {
             s.update(overflow);
@@ -345,14 +386,20 @@ impl Accelerator {
     }
 
     fn is_plain_fast_path(&self) -> bool {
-        self.models.iter().all(|m| !m.has_copies() && m.sums.iter().all(Option::is_none))
+        self.models
+            .iter()
+            .all(|m| !m.has_copies() && m.sums.iter().all(Option::is_none))
     }
 
     fn clip(&self, grads: &mut Gradients) -> Result<()> {
         if self.clip_norm.is_none() && self.clip_value.is_none() {
             return Ok(());
         }
-        let vars: Vec<Var> = self.models.iter().flat_map(|m| m.master.iter().cloned()).collect();
+        let vars: Vec<Var> = self
+            .models
+            .iter()
+            .flat_map(|m| m.master.iter().cloned())
+            .collect();
         if let Some(n) = self.clip_norm {
             grads.clip_norm(&vars, n, 2.0)?;
         }
@@ -364,14 +411,27 @@ impl Accelerator {
 
     /// Clips synced gradients to a global `norm_type` norm of at most `max_norm` and returns
     /// the norm before clipping (`None` on accumulation micro-steps).
-    pub fn clip_grad_norm(&self, grads: &mut Gradients, max_norm: f64, norm_type: f64) -> Result<Option<f64>> {
-        let vars: Vec<Var> = self.models.iter().flat_map(|m| m.master.iter().cloned()).collect();
+    pub fn clip_grad_norm(
+        &self,
+        grads: &mut Gradients,
+        max_norm: f64,
+        norm_type: f64,
+    ) -> Result<Option<f64>> {
+        let vars: Vec<Var> = self
+            .models
+            .iter()
+            .flat_map(|m| m.master.iter().cloned())
+            .collect();
         grads.clip_norm(&vars, max_norm, norm_type)
     }
 
     /// Clamps synced gradients to `[-limit, limit]`.
     pub fn clip_grad_value(&self, grads: &mut Gradients, limit: f64) -> Result<()> {
-        let vars: Vec<Var> = self.models.iter().flat_map(|m| m.master.iter().cloned()).collect();
+        let vars: Vec<Var> = self
+            .models
+            .iter()
+            .flat_map(|m| m.master.iter().cloned())
+            .collect();
         grads.clip_value(&vars, limit)
     }
 

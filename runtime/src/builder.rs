@@ -81,13 +81,20 @@ impl AcceleratorBuilder {
             // Launchers write 0/1 for booleans.
             let raw = std::env::var("IVME_CPU").unwrap_or_default();
             Ok::<_, Error>((
-                Resolved { value: self.cpu.unwrap_or(raw.trim() == "1"), source: crate::config::Source::Launcher },
+                Resolved {
+                    value: self.cpu.unwrap_or(raw.trim() == "1"),
+                    source: crate::config::Source::Launcher,
+                },
                 None,
             ))
         })?;
         take(w);
         if grad_accum.value == 0 {
-            return Err(Error::config("grad_accum", 0, "use 1 (no accumulation) or more"));
+            return Err(Error::config(
+                "grad_accum",
+                0,
+                "use 1 (no accumulation) or more",
+            ));
         }
         if let (Some(_), Some(_)) = (self.clip_grad_norm, self.clip_grad_value) {
             return Err(Error::config(
@@ -96,7 +103,10 @@ impl AcceleratorBuilder {
                 "choose one kind of clipping",
             ));
         }
-        for (k, v) in [("clip_grad_norm", self.clip_grad_norm), ("clip_grad_value", self.clip_grad_value)] {
+        for (k, v) in [
+            ("clip_grad_norm", self.clip_grad_norm),
+            ("clip_grad_value", self.clip_grad_value),
+        ] {
             if let Some(v) = v {
                 if !(v > 0.0 && v.is_finite()) {
                     return Err(Error::config(k, v, "use a positive, finite number"));
@@ -106,7 +116,11 @@ impl AcceleratorBuilder {
 
         if let Some(s) = self.initial_loss_scale {
             if !(s > 0.0 && s.is_finite()) {
-                return Err(Error::config("initial_loss_scale", s, "use a positive, finite scale such as 65536"));
+                return Err(Error::config(
+                    "initial_loss_scale",
+                    s,
+                    "use a positive, finite scale such as 65536",
+                ));
             }
         }
 
@@ -127,7 +141,13 @@ impl AcceleratorBuilder {
         }
         let device = select_device(local_rank, cpu.value)?;
         check_precision(precision.value, &device)?;
-        let state = ProcessState { rank, world_size: world, local_rank, local_world_size: local_world, device };
+        let state = ProcessState {
+            rank,
+            world_size: world,
+            local_rank,
+            local_world_size: local_world,
+            device,
+        };
         if state.is_main_process() {
             for w in &warnings {
                 eprintln!("{w}");
@@ -136,7 +156,9 @@ impl AcceleratorBuilder {
         Ok(Accelerator {
             grad_state: Arc::new(GradientState::new(grad_accum.value)),
             scaler: (precision.value == Precision::Fp16).then(|| LossScaler {
-                scale: self.initial_loss_scale.unwrap_or(LossScaler::default().scale),
+                scale: self
+                    .initial_loss_scale
+                    .unwrap_or(LossScaler::default().scale),
                 ..LossScaler::default()
             }),
             state,
@@ -166,7 +188,10 @@ fn check_precision(p: Precision, device: &Device) -> Result<()> {
     let dt = p.compute_dtype();
     let probe = || -> candle_core::Result<()> {
         let a = Tensor::ones((2, 2), dt, device)?;
-        a.matmul(&a)?.to_dtype(DType::F32)?.sum_all()?.to_scalar::<f32>()?;
+        a.matmul(&a)?
+            .to_dtype(DType::F32)?
+            .sum_all()?
+            .to_scalar::<f32>()?;
         Ok(())
     };
     probe().map_err(|e| {
@@ -176,4 +201,3 @@ fn check_precision(p: Precision, device: &Device) -> Result<()> {
         ))
     })
 }
-

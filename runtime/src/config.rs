@@ -113,13 +113,34 @@ where
     };
     Ok(match (code, from_env) {
         (Some(c), Some(e)) if c != e => (
-            Resolved { value: c, source: Source::Code },
+            Resolved {
+                value: c,
+                source: Source::Code,
+            },
             Some(format!(
                 "ivme: `{key}` is {c:?} in code and {e:?} from {env_var}; using the code's value"
             )),
         ),
-        (Some(c), _) => (Resolved { value: c, source: Source::Code }, None),
-        (None, Some(e)) => (Resolved { value: e, source: Source::Launcher }, None),
-        (None, None) => (Resolved { value: default, source: Source::Default }, None),
+        (Some(c), _) => (
+            Resolved {
+                value: c,
+                source: Source::Code,
+            },
+            None,
+        ),
+        (None, Some(e)) => (
+            Resolved {
+                value: e,
+                source: Source::Launcher,
+            },
+            None,
+        ),
+        (None, None) => (
+            Resolved {
+                value: default,
+                source: Source::Default,
+            },
+            None,
+        ),
     })
 }

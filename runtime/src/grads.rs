@@ -24,11 +24,21 @@ pub struct Gradients {
 
 impl Gradients {
     pub(crate) fn accumulating() -> Self {
-        Gradients { store: GradStore::default(), sync: false, overflow: false, norm: None }
+        Gradients {
+            store: GradStore::default(),
+            sync: false,
+            overflow: false,
+            norm: None,
+        }
     }
 
     pub(crate) fn synced(store: GradStore, overflow: bool) -> Self {
-        Gradients { store, sync: true, overflow, norm: None }
+        Gradients {
+            store,
+            sync: true,
+            overflow,
+            norm: None,
+        }
     }
 
     /// Whether these gradients end a window, so the optimizer really steps.
@@ -59,7 +69,12 @@ impl Gradients {
 
     /// Clips every gradient by the global `norm_type` norm (PyTorch's `clip_grad_norm_`
     /// formula) and returns that norm, or `None` on an accumulation micro-step.
-    pub fn clip_norm(&mut self, vars: &[Var], max_norm: f64, norm_type: f64) -> Result<Option<f64>> {
+    pub fn clip_norm(
+        &mut self,
+        vars: &[Var],
+        max_norm: f64,
+        norm_type: f64,
+    ) -> Result<Option<f64>> {
         if !self.sync {
             return Ok(None);
         }
@@ -70,7 +85,10 @@ impl Gradients {
                 "use a positive max_norm and a norm_type > 0 (2.0, or f64::INFINITY)",
             ));
         }
-        let grads: Vec<&Tensor> = vars.iter().filter_map(|v| self.store.get(v.as_tensor())).collect();
+        let grads: Vec<&Tensor> = vars
+            .iter()
+            .filter_map(|v| self.store.get(v.as_tensor()))
+            .collect();
         let total = global_norm(&grads, norm_type)?;
         // The small epsilon keeps the coefficient finite for zero gradients, as PyTorch does.
         let coef = (max_norm / (total + 1e-6)).min(1.0);
@@ -91,7 +109,11 @@ impl Gradients {
             return Ok(());
         }
         if limit <= 0.0 || limit.is_nan() {
-            return Err(Error::config("clip_grad_value", limit, "use a positive limit"));
+            return Err(Error::config(
+                "clip_grad_value",
+                limit,
+                "use a positive limit",
+            ));
         }
         for v in vars {
             if let Some(g) = self.store.remove(v.as_tensor()) {
@@ -115,7 +137,11 @@ pub fn global_norm(grads: &[&Tensor], p: f64) -> Result<f64> {
             acc += g.powf(p)?.sum_all()?.to_scalar::<f32>()? as f64;
         }
     }
-    Ok(if p.is_infinite() { acc } else { acc.powf(1.0 / p) })
+    Ok(if p.is_infinite() {
+        acc
+    } else {
+        acc.powf(1.0 / p)
+    })
 }
 
 /// Where the current micro-batch sits in its accumulation window.
@@ -149,7 +175,10 @@ pub struct GradientState {
 impl GradientState {
     /// A state for windows of `accum` micro-batches.
     pub fn new(accum: usize) -> Self {
-        GradientState { accum: accum.max(1), cursor: Mutex::new(Cursor::default()) }
+        GradientState {
+            accum: accum.max(1),
+            cursor: Mutex::new(Cursor::default()),
+        }
     }
 
     /// The configured window length.
@@ -162,7 +191,10 @@ impl GradientState {
     pub fn locate(accum: usize, index: usize, total: usize) -> MicroStep {
         let start = index - index % accum;
         let window = accum.min(total.saturating_sub(start)).max(1);
-        MicroStep { window, sync: index % accum == accum - 1 || index + 1 >= total }
+        MicroStep {
+            window,
+            sync: index % accum == accum - 1 || index + 1 >= total,
+        }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Cursor> {
@@ -177,7 +209,10 @@ impl GradientState {
             (true, Some(s)) => s,
             _ => {
                 let pos = (c.auto_index % self.accum as u64) as usize;
-                MicroStep { window: self.accum, sync: pos == self.accum - 1 }
+                MicroStep {
+                    window: self.accum,
+                    sync: pos == self.accum - 1,
+                }
             }
         }
     }
@@ -235,7 +270,10 @@ pub struct ParamSet {
 impl ParamSet {
     /// Whether the model computes with separate low-precision copies.
     pub fn has_copies(&self) -> bool {
-        self.compute.iter().zip(&self.master).any(|(c, m)| c.as_tensor().id() != m.as_tensor().id())
+        self.compute
+            .iter()
+            .zip(&self.master)
+            .any(|(c, m)| c.as_tensor().id() != m.as_tensor().id())
     }
 
     /// Adds this backward's gradients to the window's sums; returns whether any variable of
@@ -244,7 +282,11 @@ impl ParamSet {
         let mut any = false;
         for (var, sum) in self.compute.iter().zip(self.sums.iter_mut()) {
             if let Some(g) = store.get(var.as_tensor()) {
-                let g = if g.dtype() == DType::F32 { g.clone() } else { g.to_dtype(DType::F32)? };
+                let g = if g.dtype() == DType::F32 {
+                    g.clone()
+                } else {
+                    g.to_dtype(DType::F32)?
+                };
                 *sum = Some(match sum.take() {
                     Some(s) => (s + g)?,
                     None => g,
@@ -310,7 +352,11 @@ impl ParamSet {
 
 /// Averages `grads` across processes with one collective per bucket of at most
 /// `bucket_bytes` (a tensor larger than a bucket travels alone).
-pub fn all_reduce_bucketed(comm: &dyn Communicator, grads: &mut [Tensor], bucket_bytes: usize) -> Result<()> {
+pub fn all_reduce_bucketed(
+    comm: &dyn Communicator,
+    grads: &mut [Tensor],
+    bucket_bytes: usize,
+) -> Result<()> {
     let mut start = 0;
     while start < grads.len() {
         let mut end = start;
@@ -327,7 +373,11 @@ pub fn all_reduce_bucketed(comm: &dyn Communicator, grads: &mut [Tensor], bucket
             .iter()
             .map(|g| g.flatten_all())
             .collect::<candle_core::Result<_>>()?;
-        let flat = if flat.len() == 1 { flat[0].clone() } else { Tensor::cat(&flat, 0)? };
+        let flat = if flat.len() == 1 {
+            flat[0].clone()
+        } else {
+            Tensor::cat(&flat, 0)?
+        };
         let reduced = comm.all_reduce(&flat, ReduceOp::Mean)?;
         let mut offset = 0;
         for g in &mut grads[start..end] {
@@ -347,11 +397,41 @@ mod tests {
     #[test]
     fn windows_are_full_then_short_at_the_end() {
         let l = |i, n| GradientState::locate(3, i, n);
-        assert_eq!(l(0, 4), MicroStep { window: 3, sync: false });
-        assert_eq!(l(2, 4), MicroStep { window: 3, sync: true });
-        assert_eq!(l(3, 4), MicroStep { window: 1, sync: true });
-        assert_eq!(GradientState::locate(2, 4, 5), MicroStep { window: 1, sync: true });
-        assert_eq!(GradientState::locate(1, 0, 5), MicroStep { window: 1, sync: true });
+        assert_eq!(
+            l(0, 4),
+            MicroStep {
+                window: 3,
+                sync: false
+            }
+        );
+        assert_eq!(
+            l(2, 4),
+            MicroStep {
+                window: 3,
+                sync: true
+            }
+        );
+        assert_eq!(
+            l(3, 4),
+            MicroStep {
+                window: 1,
+                sync: true
+            }
+        );
+        assert_eq!(
+            GradientState::locate(2, 4, 5),
+            MicroStep {
+                window: 1,
+                sync: true
+            }
+        );
+        assert_eq!(
+            GradientState::locate(1, 0, 5),
+            MicroStep {
+                window: 1,
+                sync: true
+            }
+        );
     }
 
     #[test]
@@ -366,9 +446,21 @@ mod tests {
     fn data_reports_drive_the_windows() {
         let s = GradientState::new(3);
         s.on_batch(3, 4, 0);
-        assert_eq!(s.for_backward(), MicroStep { window: 1, sync: true });
+        assert_eq!(
+            s.for_backward(),
+            MicroStep {
+                window: 1,
+                sync: true
+            }
+        );
         // A second backward on the same batch (a second model) is the same micro-step.
-        assert_eq!(s.for_backward(), MicroStep { window: 1, sync: true });
+        assert_eq!(
+            s.for_backward(),
+            MicroStep {
+                window: 1,
+                sync: true
+            }
+        );
     }
 
     #[test]

@@ -73,7 +73,14 @@ impl<T: ToDevice> Iterator for Sharded<T> {
 fn shard_vec<T: ToDevice>(items: &[T], accelerator: &Accelerator) -> Result<Sharded<T>> {
     let order: Vec<usize> = (0..items.len()).collect();
     let device = accelerator.device();
-    let plan = plan_epoch(&order, 1, accelerator.num_processes(), accelerator.process_index(), false, true);
+    let plan = plan_epoch(
+        &order,
+        1,
+        accelerator.num_processes(),
+        accelerator.process_index(),
+        false,
+        true,
+    );
     let padding = plan.iter().map(|b| b.padding).collect();
     let mine = plan
         .iter()

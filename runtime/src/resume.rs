@@ -21,11 +21,18 @@ use serde_json::json;
 use std::path::{Path, PathBuf};
 
 fn component(name: String, s: StateDict) -> Component {
-    Component { name, tensors: s.tensors, json: s.json }
+    Component {
+        name,
+        tensors: s.tensors,
+        json: s.json,
+    }
 }
 
 fn as_state(c: &Component) -> StateDict {
-    StateDict { tensors: c.tensors.clone(), json: c.json.clone() }
+    StateDict {
+        tensors: c.tensors.clone(),
+        json: c.json.clone(),
+    }
 }
 
 fn missing(dir: &Path, what: &str) -> Error {
@@ -65,35 +72,63 @@ impl Accelerator {
         match local {
             Err(e) => Err(e),
             Ok(_) if all.iter().any(|f| f.first() == Some(&1)) => {
-                let ranks: Vec<usize> =
-                    all.iter().enumerate().filter(|(_, f)| f.first() == Some(&1)).map(|(r, _)| r).collect();
-                Err(Error::Comm(format!("{what} failed on rank(s) {ranks:?}; see their error messages")))
+                let ranks: Vec<usize> = all
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, f)| f.first() == Some(&1))
+                    .map(|(r, _)| r)
+                    .collect();
+                Err(Error::Comm(format!(
+                    "{what} failed on rank(s) {ranks:?}; see their error messages"
+                )))
             }
             Ok(v) => Ok(v),
         }
     }
 
     fn broadcast_path(&self, path: Option<PathBuf>) -> Result<Option<PathBuf>> {
-        let bytes = path.map(|p| p.to_string_lossy().into_owned().into_bytes()).unwrap_or_default();
+        let bytes = path
+            .map(|p| p.to_string_lossy().into_owned().into_bytes())
+            .unwrap_or_default();
         let bytes = self.comm().broadcast_bytes(bytes, 0)?;
-        Ok((!bytes.is_empty()).then(|| PathBuf::from(String::from_utf8_lossy(&bytes).into_owned())))
+        Ok(
+            (!bytes.is_empty())
+                .then(|| PathBuf::from(String::from_utf8_lossy(&bytes).into_owned())),
+        )
     }
 
     fn rank_state(&self) -> Result<RankState> {
         let mut components = Vec::new();
         if self.is_main_process() {
             for (i, m) in self.models.iter().enumerate() {
-                let tensors = m.names.iter().cloned().zip(m.master.iter().map(|v| v.as_tensor().clone())).collect();
-                components.push(Component { name: format!("model_{i}"), tensors, json: json!(null) });
+                let tensors = m
+                    .names
+                    .iter()
+                    .cloned()
+                    .zip(m.master.iter().map(|v| v.as_tensor().clone()))
+                    .collect();
+                components.push(Component {
+                    name: format!("model_{i}"),
+                    tensors,
+                    json: json!(null),
+                });
             }
             for (i, o) in self.optimizers.iter().enumerate() {
                 components.push(component(format!("optimizer_{i}"), o.state_dict()?));
             }
         }
         for (i, l) in self.loaders.iter().enumerate() {
-            components.push(Component { name: format!("loader_{i}"), tensors: vec![], json: serde_json::to_value(*l.lock())? });
+            components.push(Component {
+                name: format!("loader_{i}"),
+                tensors: vec![],
+                json: serde_json::to_value(*l.lock())?,
+            });
         }
-        components.push(Component { name: "rng".into(), tensors: vec![], json: serde_json::to_value(self.rng.lock().state())? });
+        components.push(Component {
+            name: "rng".into(),
+            tensors: vec![],
+            json: serde_json::to_value(self.rng.lock().state())?,
+        });
         // Partial sums of a window saved mid-way are this rank's own.
         let mut sums = Vec::new();
         for (i, m) in self.models.iter().enumerate() {
@@ -137,18 +172,29 @@ impl Accelerator {
         } else {
             None
         };
-        let target = self.broadcast_path(target)?.ok_or_else(|| Error::Usage("no checkpoint folder".into()))?;
-        let parent = target.parent().map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("."));
-        let prepared = self.agree("preparing the checkpoint folder", (|| {
-            if self.is_main_process() {
-                std::fs::create_dir_all(&parent).map_err(|e| Error::io(format!("creating {}", parent.display()), e))?;
-                store::clean_stale(&parent)?;
-            }
-            Ok(())
-        })());
+        let target = self
+            .broadcast_path(target)?
+            .ok_or_else(|| Error::Usage("no checkpoint folder".into()))?;
+        let parent = target
+            .parent()
+            .map(Path::to_path_buf)
+            .unwrap_or_else(|| PathBuf::from("."));
+        let prepared = self.agree(
+            "preparing the checkpoint folder",
+            (|| {
+                if self.is_main_process() {
+                    std::fs::create_dir_all(&parent)
+                        .map_err(|e| Error::io(format!("creating {}", parent.display()), e))?;
+                    store::clean_stale(&parent)?;
+                }
+                Ok(())
+            })(),
+        );
         prepared?;
         let tmp = self.agree("starting the save", store::begin(&target))?;
-        let wrote = self.rank_state().and_then(|s| store::write_rank(&tmp, self.process_index(), &s));
+        let wrote = self
+            .rank_state()
+            .and_then(|s| store::write_rank(&tmp, self.process_index(), &s));
         self.agree("writing the state", wrote)?;
         let step = self.optimizer_steps();
         let committed = if self.is_main_process() {
@@ -211,7 +257,9 @@ impl Accelerator {
             None => Ok(None),
         };
         let chosen = self.agree("finding the checkpoint", chosen)?;
-        let dir = self.broadcast_path(chosen)?.ok_or_else(|| Error::Usage("no checkpoint chosen".into()))?;
+        let dir = self
+            .broadcast_path(chosen)?
+            .ok_or_else(|| Error::Usage("no checkpoint chosen".into()))?;
         let loaded = self.apply_checkpoint(&dir);
         self.agree("loading the checkpoint", loaded)?;
         Ok(dir)
@@ -231,14 +279,24 @@ impl Accelerator {
             });
         }
         let shared = store::read_rank(dir, 0)?;
-        let mine = if self.process_index() == 0 { shared.clone() } else { store::read_rank(dir, self.process_index())? };
-        let get = |s: &RankState, name: &str| s.get(name).cloned().ok_or_else(|| missing(dir, name));
+        let mine = if self.process_index() == 0 {
+            shared.clone()
+        } else {
+            store::read_rank(dir, self.process_index())?
+        };
+        let get =
+            |s: &RankState, name: &str| s.get(name).cloned().ok_or_else(|| missing(dir, name));
 
         for i in 0..self.models.len() {
             let c = get(&shared, &format!("model_{i}"))?;
             let m = &self.models[i];
             for ((name, master), compute) in m.names.iter().zip(&m.master).zip(&m.compute) {
-                let t = c.tensors.iter().find(|(n, _)| n == name).map(|(_, t)| t).ok_or_else(|| missing(dir, name))?;
+                let t = c
+                    .tensors
+                    .iter()
+                    .find(|(n, _)| n == name)
+                    .map(|(_, t)| t)
+                    .ok_or_else(|| missing(dir, name))?;
                 master.set(&t.to_dtype(DType::F32)?.to_device(master.device())?)?;
                 if compute.as_tensor().id() != master.as_tensor().id() {
                     compute.set(&master.as_tensor().to_dtype(compute.dtype())?)?;
@@ -257,15 +315,24 @@ impl Accelerator {
         let rng: RngState = serde_json::from_value(get(&mine, "rng")?.json)?;
         *self.rng.lock() = crate::rng::Rng::from_state(rng);
         let t = get(&mine, "training")?;
-        self.grad_state.set_auto_index(t.json["auto_micro_step"].as_u64().unwrap_or(0));
+        self.grad_state
+            .set_auto_index(t.json["auto_micro_step"].as_u64().unwrap_or(0));
         self.scaler = serde_json::from_value(t.json["scaler"].clone())?;
         for (i, m) in self.models.iter_mut().enumerate() {
             for (name, s) in m.names.iter().zip(m.sums.iter_mut()) {
                 let key = format!("{i}::{name}");
-                *s = t.tensors.iter().find(|(n, _)| *n == key).map(|(_, t)| t.clone());
+                *s = t
+                    .tensors
+                    .iter()
+                    .find(|(n, _)| *n == key)
+                    .map(|(_, t)| t.clone());
             }
         }
-        let saved_custom = mine.components.iter().filter(|c| c.name.starts_with("custom_")).count();
+        let saved_custom = mine
+            .components
+            .iter()
+            .filter(|c| c.name.starts_with("custom_"))
+            .count();
         if saved_custom != self.registered.len() {
             return Err(Error::Checkpoint {
                 path: dir.to_path_buf(),
@@ -290,8 +357,11 @@ impl Accelerator {
         let shard = max_shard_size.map(ShardSize::parse).transpose()?;
         self.wait_for_everyone()?;
         let written = if self.is_main_process() {
-            let tensors: Vec<(String, Tensor)> =
-                self.named_master_vars().into_iter().map(|(n, v)| (n, v.as_tensor().clone())).collect();
+            let tensors: Vec<(String, Tensor)> = self
+                .named_master_vars()
+                .into_iter()
+                .map(|(n, v)| (n, v.as_tensor().clone()))
+                .collect();
             save_model(&tensors, dir, shard).map(|_| ())
         } else {
             Ok(())

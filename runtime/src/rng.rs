@@ -24,7 +24,10 @@ pub struct RngState {
 /// Mixes a seed with a stream number (a rank, an epoch) into an independent 64-bit seed.
 pub fn mix(seed: u64, stream: u64) -> u64 {
     // splitmix64 finaliser: nearby inputs give unrelated outputs.
-    let mut z = seed ^ stream.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(0xD1B5_4A32_D192_ED03);
+    let mut z = seed
+        ^ stream
+            .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+            .wrapping_add(0xD1B5_4A32_D192_ED03);
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     z ^ (z >> 31)
@@ -33,12 +36,17 @@ pub fn mix(seed: u64, stream: u64) -> u64 {
 impl Rng {
     /// A generator seeded from `seed`.
     pub fn new(seed: u64) -> Self {
-        Rng { inner: ChaCha8Rng::seed_from_u64(seed) }
+        Rng {
+            inner: ChaCha8Rng::seed_from_u64(seed),
+        }
     }
 
     /// Its current state, for a checkpoint.
     pub fn state(&self) -> RngState {
-        RngState { seed: self.inner.get_seed(), word_pos: self.inner.get_word_pos() }
+        RngState {
+            seed: self.inner.get_seed(),
+            word_pos: self.inner.get_word_pos(),
+        }
     }
 
     /// A generator at exactly the saved state.
@@ -59,7 +67,13 @@ impl Rng {
     }
 
     /// An f32 tensor of standard normal samples (Box–Muller) scaled by `std` around `mean`.
-    pub fn randn<S: Into<Shape>>(&mut self, mean: f32, std: f32, shape: S, device: &Device) -> Result<Tensor> {
+    pub fn randn<S: Into<Shape>>(
+        &mut self,
+        mean: f32,
+        std: f32,
+        shape: S,
+        device: &Device,
+    ) -> Result<Tensor> {
         let shape = shape.into();
         let n = shape.elem_count();
         let mut out = Vec::with_capacity(n + 1);
@@ -77,12 +91,22 @@ impl Rng {
     }
 
     /// An f32 tensor of uniform samples in `[lo, hi)`.
-    pub fn rand<S: Into<Shape>>(&mut self, lo: f32, hi: f32, shape: S, device: &Device) -> Result<Tensor> {
+    pub fn rand<S: Into<Shape>>(
+        &mut self,
+        lo: f32,
+        hi: f32,
+        shape: S,
+        device: &Device,
+    ) -> Result<Tensor> {
         if hi.partial_cmp(&lo) != Some(std::cmp::Ordering::Greater) {
-            return Err(Error::Usage(format!("rand: the range [{lo}, {hi}) is empty; use lo < hi")));
+            return Err(Error::Usage(format!(
+                "rand: the range [{lo}, {hi}) is empty; use lo < hi"
+            )));
         }
         let shape = shape.into();
-        let v: Vec<f32> = (0..shape.elem_count()).map(|_| lo + (hi - lo) * self.next_f32()).collect();
+        let v: Vec<f32> = (0..shape.elem_count())
+            .map(|_| lo + (hi - lo) * self.next_f32())
+            .collect();
         Ok(Tensor::from_vec(v, shape, device)?)
     }
 
@@ -96,7 +120,13 @@ impl Rng {
             return Ok(xs.clone());
         }
         let keep: Vec<f32> = (0..xs.elem_count())
-            .map(|_| if self.next_f32() >= p { 1.0 / (1.0 - p) } else { 0.0 })
+            .map(|_| {
+                if self.next_f32() >= p {
+                    1.0 / (1.0 - p)
+                } else {
+                    0.0
+                }
+            })
             .collect();
         let mask = Tensor::from_vec(keep, xs.shape(), &Device::Cpu)?
             .to_dtype(xs.dtype())?
@@ -123,7 +153,9 @@ mod tests {
 
     #[test]
     fn normal_samples_have_the_right_moments() -> Result<()> {
-        let v = Rng::new(1).randn(2.0, 3.0, 20_000, &Device::Cpu)?.to_vec1::<f32>()?;
+        let v = Rng::new(1)
+            .randn(2.0, 3.0, 20_000, &Device::Cpu)?
+            .to_vec1::<f32>()?;
         let mean = v.iter().sum::<f32>() / v.len() as f32;
         let var = v.iter().map(|x| (x - mean).powi(2)).sum::<f32>() / v.len() as f32;
         assert!((mean - 2.0).abs() < 0.1, "{mean}");

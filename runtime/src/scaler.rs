@@ -55,7 +55,10 @@ mod tests {
 
     #[test]
     fn backs_off_on_overflow_and_grows_after_clean_steps() {
-        let mut s = LossScaler { growth_interval: 2, ..Default::default() };
+        let mut s = LossScaler {
+            growth_interval: 2,
+            ..Default::default()
+        };
         s.update(true);
         assert_eq!(s.scale, 32768.0);
         assert_eq!(s.skipped_steps, 1);

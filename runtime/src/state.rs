@@ -64,7 +64,12 @@ const FAMILIES: &[[&str; 4]] = &[
         "OMPI_COMM_WORLD_LOCAL_SIZE",
     ],
     ["PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"],
-    ["PMIX_RANK", "PMIX_SIZE", "PMIX_LOCAL_RANK", "PMIX_LOCAL_SIZE"],
+    [
+        "PMIX_RANK",
+        "PMIX_SIZE",
+        "PMIX_LOCAL_RANK",
+        "PMIX_LOCAL_SIZE",
+    ],
 ];
 
 impl EnvLayout {
@@ -158,13 +163,20 @@ mod tests {
         .unwrap();
         assert_eq!(
             l,
-            EnvLayout { rank: 3, world_size: 4, local_rank: 1, local_world_size: 2 }
+            EnvLayout {
+                rank: 3,
+                world_size: 4,
+                local_rank: 1,
+                local_world_size: 2
+            }
         );
     }
 
     #[test]
     fn mpich_variables_without_local_info_default_to_one_machine() {
-        let l = layout(&[("PMI_RANK", "1"), ("PMI_SIZE", "2")]).unwrap().unwrap();
+        let l = layout(&[("PMI_RANK", "1"), ("PMI_SIZE", "2")])
+            .unwrap()
+            .unwrap();
         assert_eq!(l.local_rank, 1);
         assert_eq!(l.local_world_size, 2);
     }

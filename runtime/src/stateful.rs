@@ -17,14 +17,23 @@ pub struct StateDict {
 impl StateDict {
     /// A state holding only JSON.
     pub fn json(json: serde_json::Value) -> Self {
-        StateDict { tensors: Vec::new(), json }
+        StateDict {
+            tensors: Vec::new(),
+            json,
+        }
     }
 
     /// The tensor called `name`, or an error naming it.
     pub fn tensor(&self, name: &str) -> Result<&Tensor> {
-        self.tensors.iter().find(|(n, _)| n == name).map(|(_, t)| t).ok_or_else(|| {
-            Error::Usage(format!("the saved state has no tensor `{name}`; was it saved by this program?"))
-        })
+        self.tensors
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, t)| t)
+            .ok_or_else(|| {
+                Error::Usage(format!(
+                    "the saved state has no tensor `{name}`; was it saved by this program?"
+                ))
+            })
     }
 }
 

@@ -37,8 +37,6 @@ pub(crate) struct Header {
     /// Tensors in the order their bytes appear in the file.
     pub tensors: Vec<TensorInfo>,
     pub metadata: BTreeMap<String, String>,
-    /// Offset of the data section from the start of the file.
-    pub data_start: usize,
 }
 
 pub(crate) fn bad(path: &Path, msg: impl Into<String>) -> Error {
@@ -288,11 +286,7 @@ pub(crate) fn parse_header(path: &Path, text: &[u8], data_len: u64) -> Result<He
             format!("the header describes {at} data bytes but the file holds {data_len} (truncated or padded file)"),
         ));
     }
-    Ok(Header {
-        tensors,
-        metadata,
-        data_start: 8 + text.len(),
-    })
+    Ok(Header { tensors, metadata })
 }
 
 fn header_len(path: &Path, prefix: &[u8], file_len: u64) -> Result<u64> {
@@ -306,13 +300,74 @@ fn header_len(path: &Path, prefix: &[u8], file_len: u64) -> Result<u64> {
     Ok(n)
 }
 
-/// Parses a whole safetensors file held in memory.
-pub(crate) fn parse_bytes(path: &Path, bytes: &[u8]) -> Result<Header> {
-    if bytes.len() < 8 {
-        return Err(bad(path, "file too short to be safetensors (truncated?)"));
+/// Reads a safetensors file front to back, one tensor at a time, handing each tensor that
+/// `want` accepts to `take` (built on `device`).
+///
+/// Memory stays near the largest tensor. With `expect = Some((size, crc))` the whole file is
+/// checksummed on the way and a mismatch is an error after the last tensor, so a caller that
+/// collects the tensors returns nothing from a damaged file.
+pub(crate) fn read_tensors(
+    path: &Path,
+    expect: Option<(u64, u32)>,
+    device: &Device,
+    want: impl Fn(&TensorInfo) -> bool,
+    mut take: impl FnMut(&TensorInfo, Tensor) -> Result<()>,
+) -> Result<Header> {
+    let io = |e| Error::io(format!("reading {}", path.display()), e);
+    let mut f = std::fs::File::open(path).map_err(io)?;
+    let file_len = f.metadata().map_err(io)?.len();
+    if let Some((size, _)) = expect {
+        if size != file_len {
+            return Err(bad(
+                path,
+                format!(
+                    "is {file_len} bytes but the manifest says {size} (truncated or overwritten)"
+                ),
+            ));
+        }
     }
-    let n = header_len(path, &bytes[..8], bytes.len() as u64)? as usize;
-    parse_header(path, &bytes[8..8 + n], (bytes.len() - 8 - n) as u64)
+    let mut hasher = crc32fast::Hasher::new();
+    let mut prefix = [0u8; 8];
+    f.read_exact(&mut prefix)
+        .map_err(|_| bad(path, "file too short to be safetensors (truncated?)"))?;
+    hasher.update(&prefix);
+    let n = header_len(path, &prefix, file_len)?;
+    let mut text = vec![0u8; n as usize];
+    f.read_exact(&mut text).map_err(io)?;
+    hasher.update(&text);
+    // A damaged header can fail to parse; with a checksum to compare, call it what it is.
+    let header = match parse_header(path, &text, file_len - 8 - n) {
+        Err(e) if expect.is_some() && hasher.clone().finalize() != expect.map_or(0, |x| x.1) => {
+            return Err(bad(
+                path,
+                format!("checksum does not match the manifest (corrupt file: {e})"),
+            ));
+        }
+        other => other?,
+    };
+    let mut buf = Vec::new();
+    for info in &header.tensors {
+        buf.resize(info.end - info.start, 0);
+        f.read_exact(&mut buf).map_err(io)?;
+        if expect.is_some() {
+            hasher.update(&buf);
+        }
+        if want(info) {
+            take(
+                info,
+                Tensor::from_raw_buffer(&buf, info.dtype, &info.shape, device)?,
+            )?;
+        }
+    }
+    if let Some((_, crc)) = expect {
+        if hasher.finalize() != crc {
+            return Err(bad(
+                path,
+                "checksum does not match the manifest (corrupt file)",
+            ));
+        }
+    }
+    Ok(header)
 }
 
 /// Reads only the header of a safetensors file, leaving its data on disk.
@@ -327,20 +382,4 @@ pub(crate) fn read_header(path: &Path) -> Result<Header> {
     let mut text = vec![0u8; n as usize];
     f.read_exact(&mut text).map_err(io)?;
     parse_header(path, &text, file_len - 8 - n)
-}
-
-/// Builds one tensor from a file's bytes on `device`.
-pub(crate) fn tensor_at(
-    bytes: &[u8],
-    header: &Header,
-    info: &TensorInfo,
-    device: &Device,
-) -> Result<Tensor> {
-    let data = &bytes[header.data_start + info.start..header.data_start + info.end];
-    Ok(Tensor::from_raw_buffer(
-        data,
-        info.dtype,
-        &info.shape,
-        device,
-    )?)
 }

@@ -20,34 +20,60 @@ pub(crate) fn sync_dir(dir: &Path) -> Result<()> {
     d.sync_all().map_err(io_at("syncing folder", dir))
 }
 
-/// Creates (or truncates) `path`, lets `fill` write it, then fsyncs it; returns its size.
+/// A writer that checksums and counts what passes through it, so a file's CRC is known
+/// without reading it back.
+pub(crate) struct Hashing<W> {
+    inner: W,
+    hasher: crc32fast::Hasher,
+    size: u64,
+}
+
+impl<W: Write> Write for Hashing<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        self.hasher.update(&buf[..n]);
+        self.size += n as u64;
+        Ok(n)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+/// Where [`write_synced`] lets its caller write.
+pub(crate) type Sink = Hashing<BufWriter<File>>;
+
+/// Creates (or truncates) `path`, lets `fill` write it, then fsyncs it; returns the size and
+/// CRC-32 of what was written.
 pub(crate) fn write_synced(
     path: &Path,
-    fill: impl FnOnce(&mut BufWriter<File>) -> Result<()>,
-) -> Result<u64> {
+    fill: impl FnOnce(&mut Sink) -> Result<()>,
+) -> Result<(u64, u32)> {
     let f = File::create(path).map_err(io_at("creating", path))?;
-    let mut w = BufWriter::with_capacity(BUF, f);
+    let mut w = Hashing {
+        inner: BufWriter::with_capacity(BUF, f),
+        hasher: crc32fast::Hasher::new(),
+        size: 0,
+    };
     fill(&mut w)?;
     w.flush().map_err(io_at("writing", path))?;
     let f = w
+        .inner
         .into_inner()
         .map_err(|e| Error::io(format!("writing {}", path.display()), e.into_error()))?;
     f.sync_all().map_err(io_at("syncing", path))?;
-    Ok(f.metadata().map_err(io_at("reading size of", path))?.len())
+    Ok((w.size, w.hasher.finalize()))
 }
 
 /// Replaces `path` atomically: readers see the old file or the complete new one, never a mix.
-pub(crate) fn write_atomic(
-    path: &Path,
-    fill: impl FnOnce(&mut BufWriter<File>) -> Result<()>,
-) -> Result<u64> {
+pub(crate) fn write_atomic(path: &Path, fill: impl FnOnce(&mut Sink) -> Result<()>) -> Result<u64> {
     let dir = parent_of(path);
     let name = path
         .file_name()
         .ok_or_else(|| Error::Usage(format!("{} does not name a file", path.display())))?;
     let tmp = dir.join(format!(".{}.tmp", name.to_string_lossy()));
     let size = match write_synced(&tmp, fill) {
-        Ok(size) => size,
+        Ok((size, _)) => size,
         Err(e) => {
             let _ = std::fs::remove_file(&tmp);
             return Err(e);
@@ -64,13 +90,6 @@ pub(crate) fn parent_of(path: &Path) -> PathBuf {
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
         _ => PathBuf::from("."),
     }
-}
-
-/// Reads a whole file with its CRC-32 computed on the way.
-pub(crate) fn read_with_crc(path: &Path) -> Result<(Vec<u8>, u32)> {
-    let bytes = std::fs::read(path).map_err(io_at("reading", path))?;
-    let crc = crc32fast::hash(&bytes);
-    Ok((bytes, crc))
 }
 
 /// Size and CRC-32 of a file, streamed so memory stays flat for large files.

@@ -12,6 +12,7 @@
 
 mod format;
 mod fsio;
+mod manifest;
 pub mod model;
 pub mod project;
 pub mod store;

@@ -370,24 +370,17 @@ pub fn load_checkpoint_in_model(
         ..LoadReport::default()
     };
     for (file, wanted) in &files {
-        // Only this file's bytes are held at once, so memory stays near one shard.
-        let bytes = std::fs::read(file).map_err(io_at("reading", file))?;
-        let header = format::parse_bytes(file, &bytes)?;
+        // Tensors stream one at a time, so memory stays near the largest tensor.
         let wanted: std::collections::HashSet<&str> = wanted.iter().map(String::as_str).collect();
-        for info in header
-            .tensors
-            .iter()
-            .filter(|t| wanted.contains(t.name.as_str()))
-        {
-            let Some(var) = targets.get(info.name.as_str()) else {
-                continue;
-            };
-            let t = format::tensor_at(&bytes, &header, info, device)?
-                .to_dtype(var.dtype())?
-                .to_device(var.device())?;
-            var.set(&t)?;
+        let keep = |info: &format::TensorInfo| {
+            wanted.contains(info.name.as_str()) && targets.contains_key(info.name.as_str())
+        };
+        format::read_tensors(file, None, device, keep, |info, t| {
+            let var = targets[info.name.as_str()];
+            var.set(&t.to_dtype(var.dtype())?.to_device(var.device())?)?;
             report.loaded.push(info.name.clone());
-        }
+            Ok(())
+        })?;
         report.files.push(file.clone());
     }
     report.loaded.sort();

@@ -14,19 +14,12 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::format::{self, bad};
-use super::fsio::{
-    io_at, parent_of, read_with_crc, remove_dir_atomic, size_and_crc, sync_dir, write_synced,
+use super::fsio::{io_at, parent_of, remove_dir_atomic, sync_dir, write_synced};
+use super::manifest::{check_entry, encode_manifest, list_files, rank_dir, safe_rel, RANK_INDEX};
+pub use super::manifest::{
+    read_manifest, verify, FileEntry, Manifest, CANDLE_VERSION, FORMAT_VERSION, MANIFEST_FILE,
 };
 use crate::error::{Error, Result};
-
-/// Version of the folder layout written by this build.
-pub const FORMAT_VERSION: u32 = 1;
-/// The candle release ivme is built against, recorded in every manifest.
-pub const CANDLE_VERSION: &str = "0.11.1";
-/// The file whose presence (and checksum) marks a committed checkpoint.
-pub const MANIFEST_FILE: &str = "manifest.json";
-/// The per-rank file listing that rank's components in saving order.
-const RANK_INDEX: &str = "components.json";
 
 /// One saved piece of a rank's state (a model, optimizer, loader, RNG, ...): tensors plus JSON.
 #[derive(Debug, Clone)]
@@ -62,102 +55,6 @@ pub struct ManifestMeta {
     pub step: u64,
     /// Free-form JSON for the caller (e.g. the automatic-naming counter).
     pub extra: Value,
-}
-
-/// Size and checksum of one file in a checkpoint.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct FileEntry {
-    /// Path relative to the checkpoint folder, with `/` separators.
-    pub path: String,
-    /// Length in bytes.
-    pub size: u64,
-    /// CRC-32 (IEEE) of the contents.
-    pub crc32: u32,
-}
-
-/// The record that makes a folder a checkpoint: what was saved, by whom, and every file's checksum.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Manifest {
-    /// Layout version ([`FORMAT_VERSION`] when written by this build).
-    pub format_version: u32,
-    /// The ivme version that wrote it.
-    pub ivme_version: String,
-    /// The candle version that ivme was built against.
-    pub candle_version: String,
-    /// Number of ranks whose state is inside.
-    pub world_size: usize,
-    /// The optimizer step the state belongs to.
-    pub step: u64,
-    /// The caller's extra JSON.
-    pub extra: Value,
-    /// Every file except the manifest, sorted by path.
-    pub files: Vec<FileEntry>,
-}
-
-/// The fixed frame around the manifest body; the body's own checksum sits in the frame so a
-/// flipped byte in the manifest is caught like one in any other file.
-const FRAME_HEAD: &str = "{\"manifest_crc32\": \"";
-const FRAME_MID: &str = "\",\n\"manifest\": ";
-const FRAME_TAIL: &str = "}\n";
-
-fn encode_manifest(m: &Manifest) -> Result<Vec<u8>> {
-    let body = serde_json::to_vec_pretty(m)?;
-    let mut out = format!("{FRAME_HEAD}{:08x}{FRAME_MID}", crc32fast::hash(&body)).into_bytes();
-    out.extend_from_slice(&body);
-    out.extend_from_slice(FRAME_TAIL.as_bytes());
-    Ok(out)
-}
-
-/// Reads and self-checks `dir/manifest.json` without touching the other files.
-pub fn read_manifest(dir: &Path) -> Result<Manifest> {
-    let path = dir.join(MANIFEST_FILE);
-    if !path.is_file() {
-        return Err(bad(
-            dir,
-            "has no manifest.json, so it is not a committed checkpoint (an interrupted save?); \
-             pick another checkpoint",
-        ));
-    }
-    let bytes = std::fs::read(&path).map_err(io_at("reading", &path))?;
-    let corrupt = |why: &str| {
-        bad(
-            &path,
-            format!("is corrupt ({why}); this checkpoint cannot be trusted"),
-        )
-    };
-    let rest = bytes
-        .strip_prefix(FRAME_HEAD.as_bytes())
-        .ok_or_else(|| corrupt("bad frame"))?;
-    if rest.len() < 8 + FRAME_MID.len() + FRAME_TAIL.len() {
-        return Err(corrupt("too short"));
-    }
-    let (hex, rest) = rest.split_at(8);
-    let want = std::str::from_utf8(hex)
-        .ok()
-        .and_then(|h| u32::from_str_radix(h, 16).ok())
-        .ok_or_else(|| corrupt("bad checksum field"))?;
-    let body = rest
-        .strip_prefix(FRAME_MID.as_bytes())
-        .and_then(|r| r.strip_suffix(FRAME_TAIL.as_bytes()))
-        .ok_or_else(|| corrupt("bad frame"))?;
-    if crc32fast::hash(body) != want {
-        return Err(corrupt("checksum mismatch"));
-    }
-    let m: Manifest = serde_json::from_slice(body).map_err(|e| corrupt(&e.to_string()))?;
-    if m.format_version > FORMAT_VERSION {
-        return Err(bad(
-            dir,
-            format!(
-                "uses checkpoint format {} but this ivme reads up to {FORMAT_VERSION}; upgrade ivme",
-                m.format_version
-            ),
-        ));
-    }
-    Ok(m)
-}
-
-fn rank_dir(r: usize) -> String {
-    format!("rank{r}")
 }
 
 /// The deterministic temporary sibling a save of `final_dir` is written into.
@@ -217,20 +114,31 @@ pub fn write_rank(tmp: &Path, rank: usize, state: &RankState) -> Result<()> {
         std::fs::remove_dir_all(&dir).map_err(io_at("clearing", &dir))?;
     }
     std::fs::create_dir_all(&dir).map_err(io_at("creating", &dir))?;
+    // Checksums are taken as the bytes are written, so commit need not read the files back.
+    let mut files = BTreeMap::new();
     for c in &state.components {
         let items: Vec<(&str, &Tensor)> = c.tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
-        let path = dir.join(format!("{}.safetensors", c.name));
-        write_synced(&path, |w| {
+        let name = format!("{}.safetensors", c.name);
+        let sum = write_synced(&dir.join(&name), |w| {
             format::write_safetensors(w, &items, None).map(drop)
         })?;
-        let path = dir.join(format!("{}.json", c.name));
+        files.insert(name, sum);
+        let name = format!("{}.json", c.name);
+        let path = dir.join(&name);
         let text = serde_json::to_vec(&c.json)?;
-        write_synced(&path, |w| {
+        let sum = write_synced(&path, |w| {
             std::io::Write::write_all(w, &text).map_err(io_at("writing", &path))
         })?;
+        files.insert(name, sum);
     }
-    let names: Vec<&str> = state.components.iter().map(|c| c.name.as_str()).collect();
-    let text = serde_json::to_vec(&names)?;
+    let index = RankIndex {
+        components: state.components.iter().map(|c| c.name.clone()).collect(),
+        files: files
+            .into_iter()
+            .map(|(name, (size, crc32))| (name, Sum { size, crc32 }))
+            .collect(),
+    };
+    let text = serde_json::to_vec(&index)?;
     let path = dir.join(RANK_INDEX);
     write_synced(&path, |w| {
         std::io::Write::write_all(w, &text).map_err(io_at("writing", &path))
@@ -239,35 +147,59 @@ pub fn write_rank(tmp: &Path, rank: usize, state: &RankState) -> Result<()> {
     sync_dir(tmp)
 }
 
-/// Every regular file under `dir` (relative, `/`-separated), except the manifest.
-fn list_files(dir: &Path) -> Result<BTreeSet<String>> {
-    fn walk(root: &Path, rel: &str, out: &mut BTreeSet<String>) -> Result<()> {
-        let here = if rel.is_empty() {
-            root.to_path_buf()
-        } else {
-            root.join(rel)
-        };
-        for entry in std::fs::read_dir(&here).map_err(io_at("listing", &here))? {
-            let entry = entry.map_err(io_at("listing", &here))?;
-            let name = entry.file_name().to_string_lossy().into_owned();
-            let path = if rel.is_empty() {
-                name
-            } else {
-                format!("{rel}/{name}")
-            };
-            let kind = entry
-                .file_type()
-                .map_err(io_at("inspecting", &entry.path()))?;
-            if kind.is_dir() {
-                walk(root, &path, out)?;
-            } else if path != MANIFEST_FILE {
-                out.insert(path);
-            }
+/// Size and checksum as recorded by the rank that wrote a file.
+#[derive(Serialize, Deserialize)]
+struct Sum {
+    size: u64,
+    crc32: u32,
+}
+
+/// A rank's own record: its components in saving order and the sums of the files it wrote.
+#[derive(Serialize, Deserialize)]
+struct RankIndex {
+    components: Vec<String>,
+    files: BTreeMap<String, Sum>,
+}
+
+/// The manifest entries of one rank's folder, from its index (checked against the folder).
+fn rank_entries(tmp: &Path, rank: usize) -> Result<Vec<FileEntry>> {
+    let dir = tmp.join(rank_dir(rank));
+    let path = dir.join(RANK_INDEX);
+    let bytes = std::fs::read(&path).map_err(io_at("reading", &path))?;
+    let index: RankIndex = serde_json::from_slice(&bytes)
+        .map_err(|e| bad(&path, format!("is not a rank index ({e})")))?;
+    let mut out = vec![FileEntry {
+        path: format!("{}/{RANK_INDEX}", rank_dir(rank)),
+        size: bytes.len() as u64,
+        crc32: crc32fast::hash(&bytes),
+    }];
+    for (name, sum) in index.files {
+        let file = dir.join(&name);
+        let len = std::fs::metadata(&file)
+            .map_err(io_at("inspecting", &file))?
+            .len();
+        if len != sum.size {
+            return Err(bad(
+                &file,
+                format!("is {len} bytes but rank {rank} wrote {}", sum.size),
+            ));
         }
-        Ok(())
+        out.push(FileEntry {
+            path: format!("{}/{name}", rank_dir(rank)),
+            size: sum.size,
+            crc32: sum.crc32,
+        });
     }
-    let mut out = BTreeSet::new();
-    walk(dir, "", &mut out)?;
+    let listed: BTreeSet<String> = out.iter().map(|e| e.path.clone()).collect();
+    for rel in list_files(&dir)? {
+        let rel = format!("{}/{rel}", rank_dir(rank));
+        if !listed.contains(&rel) {
+            return Err(bad(
+                &tmp.join(&rel),
+                "was not written by this save's write_rank",
+            ));
+        }
+    }
     Ok(out)
 }
 
@@ -321,10 +253,10 @@ pub fn commit(tmp: &Path, final_dir: &Path, meta: ManifestMeta) -> Result<Manife
         remove_dir_atomic(final_dir)?;
     }
     let mut files = Vec::new();
-    for path in list_files(tmp)? {
-        let (size, crc32) = size_and_crc(&tmp.join(&path))?;
-        files.push(FileEntry { path, size, crc32 });
+    for r in 0..meta.world_size {
+        files.extend(rank_entries(tmp, r)?);
     }
+    files.sort_by(|a, b| a.path.cmp(&b.path));
     let manifest = Manifest {
         format_version: FORMAT_VERSION,
         ivme_version: env!("CARGO_PKG_VERSION").to_string(),
@@ -343,72 +275,6 @@ pub fn commit(tmp: &Path, final_dir: &Path, meta: ManifestMeta) -> Result<Manife
     std::fs::rename(tmp, final_dir).map_err(io_at("renaming into place", final_dir))?;
     sync_dir(&parent_of(final_dir))?;
     Ok(manifest)
-}
-
-/// Checks a listed path is a plain relative path inside the checkpoint.
-fn safe_rel(dir: &Path, rel: &str) -> Result<()> {
-    let ok = !rel.is_empty()
-        && rel
-            .split('/')
-            .all(|part| !part.is_empty() && part != "." && part != "..");
-    if ok {
-        Ok(())
-    } else {
-        Err(bad(
-            dir,
-            format!("manifest lists `{rel}`, which is outside the checkpoint"),
-        ))
-    }
-}
-
-fn check_entry(dir: &Path, e: &FileEntry, size: u64, crc: u32) -> Result<()> {
-    if size != e.size {
-        return Err(bad(
-            &dir.join(&e.path),
-            format!(
-                "is {size} bytes but the manifest says {} (truncated or overwritten)",
-                e.size
-            ),
-        ));
-    }
-    if crc != e.crc32 {
-        return Err(bad(
-            &dir.join(&e.path),
-            "checksum does not match the manifest (corrupt file)",
-        ));
-    }
-    Ok(())
-}
-
-/// Checks that `dir` is a complete checkpoint: a sound manifest, every listed file with the
-/// recorded size and checksum, every rank present and no unlisted files. Errors name the bad file.
-pub fn verify(dir: &Path) -> Result<Manifest> {
-    let m = read_manifest(dir)?;
-    let listed: BTreeSet<&str> = m.files.iter().map(|e| e.path.as_str()).collect();
-    for r in 0..m.world_size {
-        let index = format!("{}/{RANK_INDEX}", rank_dir(r));
-        if !listed.contains(index.as_str()) {
-            return Err(bad(dir, format!("manifest has no state for rank {r}")));
-        }
-    }
-    for e in &m.files {
-        safe_rel(dir, &e.path)?;
-        let path = dir.join(&e.path);
-        if !path.is_file() {
-            return Err(bad(&path, "is listed in the manifest but missing"));
-        }
-        let (size, crc) = size_and_crc(&path)?;
-        check_entry(dir, e, size, crc)?;
-    }
-    for path in list_files(dir)? {
-        if !listed.contains(path.as_str()) {
-            return Err(bad(
-                &dir.join(&path),
-                "is not listed in the manifest (a file from another save?)",
-            ));
-        }
-    }
-    Ok(m)
 }
 
 /// Reads rank `rank`'s state from a committed checkpoint, onto the CPU, in saving order.
@@ -441,7 +307,7 @@ pub fn read_rank(dir: &Path, rank: usize) -> Result<RankState> {
             ));
         }
     }
-    let read = |name: &str| -> Result<Vec<u8>> {
+    let entry = |name: &str| -> Result<&FileEntry> {
         let e = entries.get(name).ok_or_else(|| {
             bad(
                 &dir.join(&prefix).join(name),
@@ -449,34 +315,33 @@ pub fn read_rank(dir: &Path, rank: usize) -> Result<RankState> {
             )
         })?;
         safe_rel(dir, &e.path)?;
-        let (bytes, crc) = read_with_crc(&dir.join(&e.path))?;
-        check_entry(dir, e, bytes.len() as u64, crc)?;
+        Ok(e)
+    };
+    let read = |name: &str| -> Result<Vec<u8>> {
+        let e = entry(name)?;
+        let path = dir.join(&e.path);
+        let bytes = std::fs::read(&path).map_err(io_at("reading", &path))?;
+        check_entry(dir, e, bytes.len() as u64, crc32fast::hash(&bytes))?;
         Ok(bytes)
     };
     let index_path = dir.join(&prefix).join(RANK_INDEX);
-    let names: Vec<String> = serde_json::from_slice(&read(RANK_INDEX)?).map_err(|e| {
-        bad(
-            &index_path,
-            format!("is not a list of component names ({e})"),
-        )
-    })?;
-    let mut components = Vec::with_capacity(names.len());
-    for name in names {
+    let index: RankIndex = serde_json::from_slice(&read(RANK_INDEX)?)
+        .map_err(|e| bad(&index_path, format!("is not a rank index ({e})")))?;
+    let mut components = Vec::with_capacity(index.components.len());
+    for name in index.components {
         check_component_name(&name)?;
-        let file = format!("{name}.safetensors");
-        let bytes = read(&file)?;
-        let path = dir.join(&prefix).join(&file);
-        let header = format::parse_bytes(&path, &bytes)?;
-        let tensors = header
-            .tensors
-            .iter()
-            .map(|info| {
-                Ok((
-                    info.name.clone(),
-                    format::tensor_at(&bytes, &header, info, &Device::Cpu)?,
-                ))
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let e = entry(&format!("{name}.safetensors"))?;
+        let mut tensors = Vec::new();
+        format::read_tensors(
+            &dir.join(&e.path),
+            Some((e.size, e.crc32)),
+            &Device::Cpu,
+            |_| true,
+            |info, t| {
+                tensors.push((info.name.clone(), t));
+                Ok(())
+            },
+        )?;
         let file = format!("{name}.json");
         let json = serde_json::from_slice(&read(&file)?).map_err(|e| {
             bad(

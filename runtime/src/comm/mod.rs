@@ -60,7 +60,10 @@ pub struct Counted {
 impl Counted {
     /// Counts the collectives of `inner`.
     pub fn new(inner: Box<dyn Communicator>) -> Self {
-        Counted { inner, count: std::sync::atomic::AtomicU64::new(0) }
+        Counted {
+            inner,
+            count: std::sync::atomic::AtomicU64::new(0),
+        }
     }
 
     /// Collectives run so far.
@@ -69,13 +72,20 @@ impl Counted {
     }
 
     fn tick(&self) {
-        self.count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.count
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
 }
 
 impl std::fmt::Debug for Counted {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}(rank {} of {})", self.inner.name(), self.rank(), self.world_size())
+        write!(
+            f,
+            "{}(rank {} of {})",
+            self.inner.name(),
+            self.rank(),
+            self.world_size()
+        )
     }
 }
 

@@ -9,9 +9,9 @@ use candle_core::{DType, Device, Tensor};
 use mpi::collective::SystemOperation;
 use mpi::datatype::PartitionMut;
 use mpi::environment::Universe;
+use mpi::topology::Communicator as _;
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::{CommunicatorCollectives, Root};
-use mpi::topology::Communicator as _;
 use mpi::Count;
 
 /// The MPI world of this run. Dropping it finalizes MPI, which cannot be started again.
@@ -37,7 +37,10 @@ impl MpiComm {
             )
         })?;
         let world = universe.world();
-        Ok(MpiComm { world, _universe: universe })
+        Ok(MpiComm {
+            world,
+            _universe: universe,
+        })
     }
 
     fn op(op: ReduceOp) -> SystemOperation {
@@ -73,7 +76,8 @@ impl Communicator for MpiComm {
             DType::F64 => {
                 let send = t.flatten_all()?.to_vec1::<f64>()?;
                 let mut recv = vec![0f64; send.len()];
-                self.world.all_reduce_into(&send[..], &mut recv[..], Self::op(op));
+                self.world
+                    .all_reduce_into(&send[..], &mut recv[..], Self::op(op));
                 if op == ReduceOp::Mean {
                     let n = self.world_size() as f64;
                     recv.iter_mut().for_each(|x| *x /= n);
@@ -87,14 +91,16 @@ impl Communicator for MpiComm {
             DType::I64 | DType::U32 | DType::U8 => {
                 let send = t.to_dtype(DType::I64)?.flatten_all()?.to_vec1::<i64>()?;
                 let mut recv = vec![0i64; send.len()];
-                self.world.all_reduce_into(&send[..], &mut recv[..], Self::op(op));
+                self.world
+                    .all_reduce_into(&send[..], &mut recv[..], Self::op(op));
                 let r = Tensor::from_vec(recv, t.shape(), &Device::Cpu)?;
                 Ok(r.to_dtype(t.dtype())?.to_device(t.device())?)
             }
             _ => {
                 let send = host_f32(t)?;
                 let mut recv = vec![0f32; send.len()];
-                self.world.all_reduce_into(&send[..], &mut recv[..], Self::op(op));
+                self.world
+                    .all_reduce_into(&send[..], &mut recv[..], Self::op(op));
                 if op == ReduceOp::Mean {
                     let inv = 1.0 / self.world_size() as f32;
                     recv.iter_mut().for_each(|x| *x *= inv);
@@ -160,7 +166,11 @@ impl Communicator for MpiComm {
         let root_proc = self.world.process_at_rank(root as i32);
         let mut len = bytes.len() as u64;
         root_proc.broadcast_into(&mut len);
-        let mut buf = if self.rank() == root { bytes } else { vec![0u8; len as usize] };
+        let mut buf = if self.rank() == root {
+            bytes
+        } else {
+            vec![0u8; len as usize]
+        };
         if len > 0 {
             root_proc.broadcast_into(&mut buf[..]);
         }

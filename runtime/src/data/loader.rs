@@ -200,7 +200,11 @@ impl<D: Dataset> DataLoader<D> {
     }
 
     fn own_position(&self) -> LoaderPosition {
-        LoaderPosition { epoch: self.epoch, seed: self.seed, consumed: self.consumed }
+        LoaderPosition {
+            epoch: self.epoch,
+            seed: self.seed,
+            consumed: self.consumed,
+        }
     }
 
     /// Returns true once an accelerator has prepared this loader.

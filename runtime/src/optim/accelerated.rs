@@ -25,7 +25,12 @@ pub struct AcceleratedOptimizer<O> {
 impl<O: StatefulOptimizer> AcceleratedOptimizer<O> {
     pub(crate) fn new(inner: Shared<O>, copies: Vec<(Var, Var)>) -> Self {
         let link = inner.lock().link().clone();
-        AcceleratedOptimizer { inner, link, copies, skipped: false }
+        AcceleratedOptimizer {
+            inner,
+            link,
+            copies,
+            skipped: false,
+        }
     }
 
     /// Applies `grads` if they end an accumulation window and hold no inf/NaN; otherwise
@@ -100,14 +105,20 @@ impl<O: StatefulOptimizer + Send> Stateful for OptimizerSlot<O> {
                 tensors.push((format!("{name}::{key}"), t));
             }
         }
-        Ok(StateDict { tensors, json: state.scalars })
+        Ok(StateDict {
+            tensors,
+            json: state.scalars,
+        })
     }
 
     fn load_state_dict(&mut self, state: &StateDict) -> Result<()> {
-        let mut per_var: Vec<Vec<(String, candle_core::Tensor)>> = vec![Vec::new(); self.names.len()];
+        let mut per_var: Vec<Vec<(String, candle_core::Tensor)>> =
+            vec![Vec::new(); self.names.len()];
         for (full, t) in &state.tensors {
             let (name, key) = full.split_once("::").ok_or_else(|| {
-                Error::Usage(format!("optimizer state entry `{full}` is not `variable::key`"))
+                Error::Usage(format!(
+                    "optimizer state entry `{full}` is not `variable::key`"
+                ))
             })?;
             let i = self.names.iter().position(|n| n == name).ok_or_else(|| {
                 Error::Usage(format!(
@@ -116,7 +127,10 @@ impl<O: StatefulOptimizer + Send> Stateful for OptimizerSlot<O> {
             })?;
             per_var[i].push((key.to_string(), t.clone()));
         }
-        let state = super::OptimizerState { tensors: per_var, scalars: state.json.clone() };
+        let state = super::OptimizerState {
+            tensors: per_var,
+            scalars: state.json.clone(),
+        };
         self.opt.lock().load_state_dict(&state)
     }
 }

@@ -14,7 +14,8 @@ pub use accelerated::AcceleratedOptimizer;
 pub use adamw::AdamW;
 pub use candle_nn::ParamsAdamW;
 pub use schedule::{
-    ConstantLr, ExponentialLr, LambdaLr, LrSchedule, LrScheduler, StepLr, WarmupCosine, WarmupLinear,
+    ConstantLr, ExponentialLr, LambdaLr, LrSchedule, LrScheduler, StepLr, WarmupCosine,
+    WarmupLinear,
 };
 pub use sgd::{ParamsSgd, Sgd};
 
