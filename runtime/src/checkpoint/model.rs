@@ -325,7 +325,6 @@ pub fn load_checkpoint_in_model(
         }
     }
     let files = locate(path)?;
-    let mut headers = Vec::new();
     let mut found: HashMap<String, Vec<usize>> = HashMap::new();
     for (file, names) in &files {
         let header = format::read_header(file)?;
@@ -335,7 +334,6 @@ pub fn load_checkpoint_in_model(
             })?;
             found.insert(name.clone(), info.shape.clone());
         }
-        headers.push(header);
     }
     let mut problems = Vec::new();
     let mut names: Vec<&str> = targets.keys().copied().collect();
