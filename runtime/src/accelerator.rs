@@ -332,6 +332,15 @@ impl Accelerator {
     /// summed over the window, then (on the window's last micro-batch) averaged across
     /// processes, unscaled and clipped. Pass the result to a prepared optimizer's `step`.
     pub fn backward(&mut self, loss: &Tensor) -> Result<Gradients> {
+        if self.models.is_empty()
+            && (self.state.world_size > 1 || self.grad_state.accum() > 1 || self.scaler.is_some())
+        {
+            return Err(Error::Prepare(
+                "backward needs the model's VarMap prepared (accelerator.prepare(varmap) or \
+                 prepare_optimizer) to sync, accumulate or unscale its gradients"
+                    .into(),
+            ));
+        }
         let MicroStep { window, sync } = self.grad_state.for_backward();
         let scale = self.scaler.as_ref().map_or(1.0, |s| s.scale);
         // Each micro-batch counts 1/window of its window's mean; the scale is undone after sync.
