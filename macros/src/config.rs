@@ -17,6 +17,8 @@ pub(crate) const KEYS: &[&str] = &[
     "clip_grad_value",
     "cpu",
     "seed",
+    "project_dir",
+    "total_limit",
 ];
 
 /// Names users bring from other training libraries, mapped to ours.
@@ -45,6 +47,8 @@ pub(crate) struct Config {
     pub clip_grad_value: Option<Setting<f64>>,
     pub cpu: Option<Setting<bool>>,
     pub seed: Option<Setting<u64>>,
+    pub project_dir: Option<Setting<String>>,
+    pub total_limit: Option<Setting<usize>>,
     /// The key names as written, for errors about the attribute as a whole.
     pub keys: Vec<syn::Path>,
 }
@@ -89,6 +93,14 @@ impl Config {
         if let Some(s) = &self.seed {
             let v = spanned_lit(Literal::u64_unsuffixed(s.value), s.span);
             calls.extend(quote_spanned!(s.span=> .seed(#v)));
+        }
+        if let Some(s) = &self.project_dir {
+            let v = syn::LitStr::new(&s.value, s.span);
+            calls.extend(quote_spanned!(s.span=> .project_dir(#v)));
+        }
+        if let Some(s) = &self.total_limit {
+            let v = spanned_lit(Literal::usize_unsuffixed(s.value), s.span);
+            calls.extend(quote_spanned!(s.span=> .total_limit(#v)));
         }
         calls
     }
@@ -167,11 +179,19 @@ pub(crate) fn parse(attr: TokenStream) -> Result<Config, syn::Error> {
                 positive_float(&key, value).map(|v| config.clip_grad_value = setting(v, span))
             }
             "cpu" => boolean(value).map(|v| config.cpu = setting(v, span)),
+            "project_dir" => project_dir(value).map(|v| config.project_dir = setting(v, span)),
+            "total_limit" => total_limit(value).map(|v| config.total_limit = setting(v, span)),
             _ => seed(value).map(|v| config.seed = setting(v, span)),
         };
         if let Err(e) = result {
             errors.push(e);
         }
+    }
+    if let (Some(limit), None) = (&config.total_limit, &config.project_dir) {
+        errors.push(syn::Error::new(
+            limit.span,
+            "`total_limit` keeps the newest checkpoints of a project: add `project_dir = \"..\"`",
+        ));
     }
     errors.finish()?;
     Ok(config)
@@ -202,6 +222,8 @@ fn missing_value(path: &syn::Path) -> syn::Error {
         "clip_grad_value" => "clip_grad_value = 0.5",
         "cpu" => "cpu = true",
         "seed" => "seed = 42",
+        "project_dir" => "project_dir = \"runs/demo\"",
+        "total_limit" => "total_limit = 3",
         _ => return unknown_key(path, &key),
     };
     syn::Error::new_spanned(path, format!("`{key}` needs a value, e.g. `{example}`"))
@@ -315,6 +337,33 @@ fn boolean(value: &Expr) -> syn::Result<bool> {
         _ => Err(syn::Error::new_spanned(
             value,
             "`cpu` takes `true` or `false`",
+        )),
+    }
+}
+
+fn project_dir(value: &Expr) -> syn::Result<String> {
+    match literal(value) {
+        Some((Lit::Str(s), false)) if !s.value().trim().is_empty() => Ok(s.value()),
+        _ => Err(syn::Error::new_spanned(
+            value,
+            "`project_dir` takes a non-empty string, the folder checkpoints go under, e.g. \
+             `project_dir = \"runs/demo\"`",
+        )),
+    }
+}
+
+fn total_limit(value: &Expr) -> syn::Result<usize> {
+    match literal(value) {
+        Some((Lit::Int(i), false)) => match i.base10_parse::<usize>() {
+            Ok(n) if n >= 1 => Ok(n),
+            _ => Err(syn::Error::new_spanned(
+                value,
+                "`total_limit` must be at least 1: it is how many checkpoints are kept",
+            )),
+        },
+        _ => Err(syn::Error::new_spanned(
+            value,
+            "`total_limit` takes a whole number >= 1, e.g. `total_limit = 3`",
         )),
     }
 }

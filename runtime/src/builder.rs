@@ -25,9 +25,24 @@ pub struct AcceleratorBuilder {
     seed: Option<u64>,
     bucket_mb: Option<usize>,
     initial_loss_scale: Option<f64>,
+    project_dir: Option<std::path::PathBuf>,
+    total_limit: Option<usize>,
 }
 
 impl AcceleratorBuilder {
+    /// Saves checkpoints without a path to `dir/checkpoints/checkpoint_{n}` (automatic
+    /// naming); see [`ProjectConfiguration`](crate::checkpoint::ProjectConfiguration).
+    pub fn project_dir(mut self, dir: impl Into<std::path::PathBuf>) -> Self {
+        self.project_dir = Some(dir.into());
+        self
+    }
+
+    /// Keeps only the newest `n` automatically named checkpoints.
+    pub fn total_limit(mut self, n: usize) -> Self {
+        self.total_limit = Some(n);
+        self
+    }
+
     /// The fp16 loss scale to start from (65536 by default); it adapts while training.
     pub fn initial_loss_scale(mut self, scale: f64) -> Self {
         self.initial_loss_scale = Some(scale);
@@ -124,6 +139,21 @@ impl AcceleratorBuilder {
             }
         }
 
+        let project = match (self.project_dir, self.total_limit) {
+            (Some(dir), limit) => {
+                let mut p = crate::checkpoint::ProjectConfiguration::new(dir).automatic_checkpoint_naming(true);
+                if let Some(n) = limit {
+                    p = p.total_limit(n);
+                }
+                p.validate()?;
+                Some(p)
+            }
+            (None, Some(n)) => {
+                return Err(Error::config("total_limit", n, "set project_dir too: the limit applies to a project's checkpoints"))
+            }
+            (None, None) => None,
+        };
+
         let layout = EnvLayout::from_env()?;
         let (rank, world, local_rank, local_world) = match layout {
             Some(l) => (l.rank, l.world_size, l.local_rank, l.local_world_size),
@@ -172,7 +202,7 @@ impl AcceleratorBuilder {
             optimizers: Vec::new(),
             loaders: Vec::new(),
             registered: Vec::new(),
-            project: None,
+            project,
             trackers: Shared::new(None),
             // Rank-specific streams: dropout on different data must not share masks.
             rng: Shared::new(Rng::new(mix(self.seed.unwrap_or(0), rank as u64))),

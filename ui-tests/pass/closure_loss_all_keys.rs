@@ -1,4 +1,4 @@
-//! Every key, a device choice that can fail, a closure computing the loss, a `while` loop
+//! Every key (checkpoints saved each epoch under the project), a device choice that can fail, a closure computing the loss, a `while` loop
 //! around the batch loop, and a boxed error return.
 
 use candle_core::{DType, Device, Module, Tensor};
@@ -11,7 +11,9 @@ use ivme::optim::{AdamW, ParamsAdamW};
     precision = "bf16",
     clip_grad_norm = 1,
     cpu = true,
-    seed = 7
+    seed = 7,
+    project_dir = "runs/demo",
+    total_limit = 2
 )]
 fn train(batches: Vec<(Tensor, Tensor)>) -> Result<f32, Box<dyn std::error::Error>> {
     let device = Device::cuda_if_available(0)?;
@@ -31,6 +33,7 @@ fn train(batches: Vec<(Tensor, Tensor)>) -> Result<f32, Box<dyn std::error::Erro
             total += loss.to_scalar::<f32>()?;
         }
         epoch += 1;
+        accelerator.save_state(None)?;
     }
     println!("process {} done", accelerator.process_index());
     Ok(total)
