@@ -113,7 +113,8 @@ impl EnvLayout {
 }
 
 /// Picks the device for a local rank: that rank's CUDA device when the build has CUDA and one is
-/// present (unless `cpu` forces the CPU), otherwise the CPU.
+/// present, else the Metal device when the build has Metal and one is present (unless `cpu`
+/// forces the CPU), otherwise the CPU.
 pub fn select_device(local_rank: usize, cpu: bool) -> Result<Device> {
     if cpu {
         return Ok(Device::Cpu);
@@ -126,6 +127,15 @@ pub fn select_device(local_rank: usize, cpu: bool) -> Result<Device> {
                     "cannot open CUDA device {local_rank} for local rank {local_rank}: {e}; \
                      run fewer processes per machine than GPUs, or pass `cpu = true`"
                 ))
+            });
+        }
+    }
+    #[cfg(feature = "metal")]
+    {
+        if candle_core::utils::metal_is_available() {
+            // A Mac has one GPU: every local rank shares it.
+            return Device::new_metal(0).map_err(|e| {
+                Error::Setup(format!("cannot open the Metal device: {e}; pass `cpu = true` to train on the CPU"))
             });
         }
     }

@@ -86,7 +86,7 @@ fn features() -> String {
     let all = [
         ("mpi", cfg!(feature = "mpi")),
         ("cuda", cfg!(feature = "cuda")),
-        ("nccl", cfg!(feature = "nccl")),
+        ("metal", cfg!(feature = "metal")),
     ];
     let on: Vec<&str> = all.iter().filter(|(_, b)| *b).map(|(n, _)| *n).collect();
     let off: Vec<&str> = all.iter().filter(|(_, b)| !*b).map(|(n, _)| *n).collect();
