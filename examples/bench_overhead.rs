@@ -102,6 +102,67 @@ fn accelerated(acc: &mut Accelerator, case: &Case, x: &Tensor, y: &Tensor) -> iv
     Ok(t.elapsed().as_secs_f64() / steps.max(1) as f64)
 }
 
+fn slices(case: &Case, x: &Tensor, y: &Tensor) -> candle_core::Result<Vec<(Tensor, Tensor)>> {
+    (0..case.steps)
+        .map(|i| {
+            Ok((
+                x.narrow(0, i * case.batch, case.batch)?,
+                y.narrow(0, i * case.batch, case.batch)?,
+            ))
+        })
+        .collect()
+}
+
+/// The plain candle loop under `#[accelerate]` (the Accelerator passed in).
+#[ivme::accelerate]
+fn by_macro(
+    accelerator: &mut Accelerator,
+    dims: &[usize],
+    batches: Vec<(Tensor, Tensor)>,
+) -> candle_core::Result<f64> {
+    let device = Device::Cpu;
+    let varmap = VarMap::new();
+    let model = Mlp::new(VarBuilder::from_varmap(&varmap, DType::F32, &device), dims)?;
+    let mut opt = ivme::optim::AdamW::new(varmap.all_vars(), ParamsAdamW::default())?;
+    let t = Instant::now();
+    let mut steps = 0;
+    for (xb, yb) in batches {
+        let loss = candle_nn::loss::mse(&model.forward(&xb)?, &yb)?;
+        let grads = loss.backward()?;
+        opt.step(&grads)?;
+        steps += 1;
+    }
+    Ok(t.elapsed().as_secs_f64() / f64::from(steps.max(1)))
+}
+
+/// The same calls the macro writes, written by hand.
+fn by_hand(
+    acc: &mut Accelerator,
+    dims: &[usize],
+    batches: Vec<(Tensor, Tensor)>,
+) -> ivme::Result<f64> {
+    let varmap = VarMap::new();
+    let model = Mlp::new(
+        VarBuilder::from_varmap(&varmap, acc.param_dtype(DType::F32), acc.device()),
+        dims,
+    )?;
+    let mut opt = acc.prepare_optimizer(
+        &varmap,
+        ivme::optim::AdamW::new(varmap.all_vars(), ParamsAdamW::default()),
+    )?;
+    let scope = acc.autocast_scope();
+    let t = Instant::now();
+    let mut steps = 0;
+    for (xb, yb) in ivme::macro_support::shard(acc, batches)? {
+        let out = scope.run(|ac| model.forward(&ac.input(&xb)?))?;
+        let loss = candle_nn::loss::mse(&out, &yb)?;
+        let grads = acc.backward(&loss)?;
+        opt.step(&grads)?;
+        steps += 1;
+    }
+    Ok(t.elapsed().as_secs_f64() / f64::from(steps.max(1)))
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v[v.len() / 2]
@@ -161,11 +222,23 @@ fn main() -> ivme::Result<()> {
                 runs[i].push(accelerated(acc, case, &x, &y)?);
             }
         }
+        let (mut hand, mut mac) = (Vec::new(), Vec::new());
+        for _ in 0..rounds {
+            hand.push(by_hand(&mut accs[0], &case.dims, slices(case, &x, &y)?)?);
+            mac.push(by_macro(&mut accs[0], &case.dims, slices(case, &x, &y)?)?);
+        }
         let b = median(base);
         accs[0].print(format!(
             "{}: plain candle {:.1} µs/step",
             case.name,
             b * 1e6
+        ));
+        let (h, m) = (median(hand), median(mac));
+        accs[0].print(format!(
+            "  macro vs the same calls by hand: {:.1} vs {:.1} µs/step, ratio {:.3}",
+            m * 1e6,
+            h * 1e6,
+            m / h
         ));
         for (i, r) in runs.into_iter().enumerate() {
             let m = median(r);

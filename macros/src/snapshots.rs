@@ -400,3 +400,35 @@ fn snapshot_parameter_form() {
         },
     );
 }
+
+/// The README's main example, read from `examples/tutorial_macro.rs`: its expansion is kept as
+/// a snapshot and shown verbatim in `docs/macro.md`, so neither can drift from the macro.
+#[test]
+fn snapshot_of_the_main_example_matches_the_docs() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let source = std::fs::read_to_string(root.join("examples/tutorial_macro.rs")).unwrap();
+    let file: syn::File = syn::parse_str(&source).unwrap();
+    let mut train = file
+        .items
+        .into_iter()
+        .find_map(|i| match i {
+            syn::Item::Fn(f) if f.sig.ident == "train" => Some(f),
+            _ => None,
+        })
+        .expect("examples/tutorial_macro.rs has a `fn train`");
+    let attr = train.attrs.remove(0);
+    let args = match attr.meta {
+        syn::Meta::List(l) => l.tokens,
+        _ => TokenStream::new(),
+    };
+    check_snapshot("tutorial_macro", args, quote!(#train));
+    let snapshot = std::fs::read_to_string(
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/snapshots/tutorial_macro.rs"),
+    )
+    .unwrap();
+    let docs = std::fs::read_to_string(root.join("docs/macro.md")).unwrap();
+    assert!(
+        docs.contains(&snapshot),
+        "docs/macro.md must show the current expansion of examples/tutorial_macro.rs:\n{snapshot}"
+    );
+}

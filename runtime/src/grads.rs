@@ -307,6 +307,11 @@ impl ParamSet {
         check_overflow: bool,
         store: &mut GradStore,
     ) -> Result<bool> {
+        // A model no backward of this window touched (the other half of a GAN step, say)
+        // sends nothing: every rank runs the same graph, so every rank skips it alike.
+        if self.sums.iter().all(Option::is_none) {
+            return Ok(false);
+        }
         let world = comm.world_size();
         let mut grads: Vec<Tensor> = Vec::with_capacity(self.sums.len());
         let mut present: Vec<bool> = Vec::with_capacity(self.sums.len());

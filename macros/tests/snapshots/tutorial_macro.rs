@@ -1,0 +1,54 @@
+fn train(batches: Vec<(Tensor, Tensor)>, epochs: usize) -> candle_core::Result<()> {
+    #[allow(unused_mut, unused_variables)]
+    let mut accelerator = ::ivme::Accelerator::builder()
+        .grad_accum(2)
+        .precision(::ivme::Precision::Fp16)
+        .build()?;
+    let __ivme_autocast = accelerator.autocast_scope();
+    #[allow(unused_variables)]
+    let device = Device::clone(accelerator.device());
+    let varmap = VarMap::new();
+    let model = Mlp::new(
+        VarBuilder::from_varmap(
+            &varmap,
+            accelerator.param_dtype(DType::F32),
+            accelerator.device(),
+        ),
+    )?;
+    let mut opt = accelerator
+        .prepare_optimizer(
+            &varmap,
+            AdamW::new(
+                varmap.all_vars(),
+                ParamsAdamW {
+                    lr: 3e-3,
+                    ..Default::default()
+                },
+            ),
+        )?;
+    let mut scheduler = LrScheduler::new(&opt, WarmupCosine::new(5, 200)?);
+    for epoch in 0..epochs {
+        let mut total = 0f32;
+        let mut count = 0f32;
+        for (inputs, targets) in ::ivme::macro_support::shard(&accelerator, &batches)? {
+            let inputs = inputs.to_device(accelerator.device())?;
+            let targets = targets.to_device(accelerator.device())?;
+            let outputs = __ivme_autocast
+                .run(|__ivme_ac| model.forward(&__ivme_ac.input(&inputs)?))?;
+            let loss = loss_fn(&outputs, &targets)?;
+            let grads = accelerator.backward(&loss)?;
+            opt.step(&grads)?;
+            scheduler.step();
+            total += loss.to_scalar::<f32>()?;
+            count += 1.0;
+        }
+        accelerator
+            .print(
+                format!(
+                    "epoch {epoch}: loss {:.4} (rank 0's batches), lr {:.2e}", total /
+                    count, scheduler.lr()
+                ),
+            );
+    }
+    Ok(())
+}
