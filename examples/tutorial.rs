@@ -81,9 +81,7 @@ fn main() -> ivme::Result<()> {
         }
         // The epoch's loss averaged over every process's batches.
         let mean = Tensor::new(&[total / batches.max(1) as f32], &device)?;
-        let mean = accelerator
-            .comm()
-            .all_reduce(&mean, ivme::comm::ReduceOp::Mean)?;
+        let mean = accelerator.reduce(&mean, ivme::comm::ReduceOp::Mean)?;
         accelerator.print(format!(
             "epoch {epoch}: loss {:.5}",
             mean.to_vec1::<f32>()?[0]

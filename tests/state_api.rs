@@ -34,18 +34,40 @@ struct Run {
 }
 
 fn run(project: &PathBuf, limit: usize) -> Run {
-    let mut acc = Accelerator::builder().cpu(true).project_dir(project).total_limit(limit).build().unwrap();
+    let mut acc = Accelerator::builder()
+        .cpu(true)
+        .project_dir(project)
+        .total_limit(limit)
+        .build()
+        .unwrap();
     let varmap = VarMap::new();
-    let layer = linear(3, 1, VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu)).unwrap();
+    let layer = linear(
+        3,
+        1,
+        VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu),
+    )
+    .unwrap();
     let opt = AdamW::new(varmap.all_vars(), ParamsAdamW::default()).unwrap();
     let (varmap, opt) = acc.prepare((varmap, opt)).unwrap();
-    Run { acc, varmap, opt, layer }
+    Run {
+        acc,
+        varmap,
+        opt,
+        layer,
+    }
 }
 
 fn step(r: &mut Run) {
     use candle_core::Module;
     let x = Tensor::new(&[[1f32, 2.0, 3.0]], &Device::Cpu).unwrap();
-    let loss = r.layer.forward(&x).unwrap().sqr().unwrap().sum_all().unwrap();
+    let loss = r
+        .layer
+        .forward(&x)
+        .unwrap()
+        .sqr()
+        .unwrap()
+        .sum_all()
+        .unwrap();
     let g = r.acc.backward(&loss).unwrap();
     r.opt.step(&g).unwrap();
 }
@@ -54,7 +76,17 @@ fn weights(vm: &VarMap) -> Vec<f32> {
     let data = vm.data().lock().unwrap();
     let mut names: Vec<&String> = data.keys().collect();
     names.sort();
-    names.iter().flat_map(|n| data[*n].as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap()).collect()
+    names
+        .iter()
+        .flat_map(|n| {
+            data[*n]
+                .as_tensor()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+        })
+        .collect()
 }
 
 #[test]
@@ -69,9 +101,16 @@ fn automatic_names_rotate_and_load_picks_the_newest_valid_checkpoint() {
         saved.push((r.acc.save_state(None).unwrap(), weights(&r.varmap)));
     }
     let ckpts = project.join("checkpoints");
-    let mut names: Vec<String> = std::fs::read_dir(&ckpts).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    let mut names: Vec<String> = std::fs::read_dir(&ckpts)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
     names.sort();
-    assert_eq!(names, ["checkpoint_2", "checkpoint_3"], "total_limit 2 keeps the newest two");
+    assert_eq!(
+        names,
+        ["checkpoint_2", "checkpoint_3"],
+        "total_limit 2 keeps the newest two"
+    );
 
     // Damage the newest: a fresh run must fall back to checkpoint_2, with a warning.
     let victim = saved[3].0.join("rank0/model_0.safetensors");
@@ -87,7 +126,11 @@ fn automatic_names_rotate_and_load_picks_the_newest_valid_checkpoint() {
     assert_eq!(weights(&fresh.varmap), saved[2].1);
     assert_eq!(counter2.lock().0, 2);
     // An explicit path that fails verification is an error naming the bad file.
-    let e = fresh.acc.load_state(Some(&saved[3].0)).unwrap_err().to_string();
+    let e = fresh
+        .acc
+        .load_state(Some(&saved[3].0))
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("model_0.safetensors"), "{e}");
     // Saving after a resume continues the numbering instead of failing with "exists".
     let next = fresh.acc.save_state(None).unwrap();
@@ -110,7 +153,11 @@ fn a_checkpoint_with_other_registered_objects_is_refused() {
 
 #[test]
 fn total_limit_without_a_project_is_refused() {
-    let e = Accelerator::builder().total_limit(2).build().unwrap_err().to_string();
+    let e = Accelerator::builder()
+        .total_limit(2)
+        .build()
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("project_dir"), "{e}");
 }
 

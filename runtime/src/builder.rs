@@ -141,7 +141,8 @@ impl AcceleratorBuilder {
 
         let project = match (self.project_dir, self.total_limit) {
             (Some(dir), limit) => {
-                let mut p = crate::checkpoint::ProjectConfiguration::new(dir).automatic_checkpoint_naming(true);
+                let mut p = crate::checkpoint::ProjectConfiguration::new(dir)
+                    .automatic_checkpoint_naming(true);
                 if let Some(n) = limit {
                     p = p.total_limit(n);
                 }
@@ -149,7 +150,11 @@ impl AcceleratorBuilder {
                 Some(p)
             }
             (None, Some(n)) => {
-                return Err(Error::config("total_limit", n, "set project_dir too: the limit applies to a project's checkpoints"))
+                return Err(Error::config(
+                    "total_limit",
+                    n,
+                    "set project_dir too: the limit applies to a project's checkpoints",
+                ))
             }
             (None, None) => None,
         };

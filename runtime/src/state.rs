@@ -135,7 +135,9 @@ pub fn select_device(local_rank: usize, cpu: bool) -> Result<Device> {
         if candle_core::utils::metal_is_available() {
             // A Mac has one GPU: every local rank shares it.
             return Device::new_metal(0).map_err(|e| {
-                Error::Setup(format!("cannot open the Metal device: {e}; pass `cpu = true` to train on the CPU"))
+                Error::Setup(format!(
+                    "cannot open the Metal device: {e}; pass `cpu = true` to train on the CPU"
+                ))
             });
         }
     }
