@@ -365,8 +365,9 @@ impl Accelerator {
             return Ok(grads);
         }
 
+        let mut touched = Vec::with_capacity(self.models.len());
         for m in &mut self.models {
-            m.accumulate(&store)?;
+            touched.push(m.accumulate(&store)?);
         }
         drop(store);
         if !sync {
@@ -375,7 +376,9 @@ impl Accelerator {
         let mut out = GradStore::default();
         let inv_scale = 1.0 / scale;
         let mut overflow = false;
-        for m in &mut self.models {
+        // Only the models this loss reached end their window here: another model trained in
+        // the same micro-step (a second loss, a GAN's other half) ends it at its own backward.
+        for (m, _) in self.models.iter_mut().zip(&touched).filter(|(_, t)| **t) {
             overflow |= m.take_synced(
                 &self.comm,
                 self.bucket_bytes,
