@@ -178,7 +178,7 @@ fn main() -> ivme::Result<()> {
             name: "tiny 32-32-1, batch 16",
             dims: vec![32, 32, 1],
             batch: 16,
-            steps: 400,
+            steps: 1000,
         },
         Case {
             name: "wide 256-1024-1024-1, batch 64",
@@ -223,9 +223,15 @@ fn main() -> ivme::Result<()> {
             }
         }
         let (mut hand, mut mac) = (Vec::new(), Vec::new());
-        for _ in 0..rounds {
-            hand.push(by_hand(&mut accs[0], &case.dims, slices(case, &x, &y)?)?);
-            mac.push(by_macro(&mut accs[0], &case.dims, slices(case, &x, &y)?)?);
+        for round in 0..rounds {
+            // Alternate which goes first so warm caches favour neither.
+            if round % 2 == 0 {
+                hand.push(by_hand(&mut accs[0], &case.dims, slices(case, &x, &y)?)?);
+                mac.push(by_macro(&mut accs[0], &case.dims, slices(case, &x, &y)?)?);
+            } else {
+                mac.push(by_macro(&mut accs[0], &case.dims, slices(case, &x, &y)?)?);
+                hand.push(by_hand(&mut accs[0], &case.dims, slices(case, &x, &y)?)?);
+            }
         }
         let b = median(base);
         accs[0].print(format!(

@@ -1,7 +1,7 @@
 //! The README's main example: the SPEC's "loop before", unchanged but for the attribute.
 //!
 //! ```text
-//! cargo build --release --bins --examples
+//! cargo build --release --workspace --bins --examples
 //! target/release/ivme launch --num_processes 2 target/release/examples/tutorial_macro
 //! ```
 //!
