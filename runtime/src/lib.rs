@@ -8,6 +8,8 @@
 //! A single process is a world of size one: the same program runs under `cargo run` and under
 //! `ivme launch --num_processes N`.
 
+#![warn(missing_docs)]
+
 pub mod accelerator;
 pub mod autocast;
 mod builder;

@@ -4,7 +4,7 @@
 //! | given | comes back | what happens |
 //! |---|---|---|
 //! | `VarMap` (the model's variables) | the same `VarMap` | rank 0's values broadcast to every rank; f32 masters made under mixed precision |
-//! | [`AdamW`](crate::optim::AdamW), [`Sgd`](crate::optim::Sgd) | [`AcceleratedOptimizer`] | pointed at the masters; steps gated by accumulation and overflow |
+//! | [`AdamW`], [`Sgd`] | [`AcceleratedOptimizer`] | pointed at the masters; steps gated by accumulation and overflow |
 //! | [`DataLoader`] | the same loader | sharded across processes, batches placed on the device, windows reported |
 //! | [`LrScheduler`] | unchanged | already follows its optimizer's real steps |
 //! | `&T` (anything by reference) | unchanged | nothing to prepare |
