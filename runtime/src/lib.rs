@@ -7,6 +7,28 @@
 //!
 //! A single process is a world of size one: the same program runs under `cargo run` and under
 //! `ivme launch --num_processes N`.
+//!
+//! ```no_run
+//! use candle_core::{DType, Device, Module, Tensor};
+//! use candle_nn::{linear, Optimizer, VarBuilder, VarMap};
+//! use ivme::optim::{AdamW, ParamsAdamW};
+//!
+//! #[ivme::accelerate(grad_accum = 2, precision = "bf16", clip_grad_norm = 1.0)]
+//! fn train(batches: Vec<(Tensor, Tensor)>) -> candle_core::Result<()> {
+//!     let device = Device::Cpu; // becomes this process's device
+//!     let varmap = VarMap::new();
+//!     let model = linear(8, 1, VarBuilder::from_varmap(&varmap, DType::F32, &device))?;
+//!     let mut opt = AdamW::new(varmap.all_vars(), ParamsAdamW::default())?;
+//!     for (inputs, targets) in batches {
+//!         let outputs = model.forward(&inputs.to_device(&device)?)?;
+//!         let loss = candle_nn::loss::mse(&outputs, &targets.to_device(&device)?)?;
+//!         let grads = loss.backward()?;
+//!         opt.step(&grads)?;
+//!     }
+//!     Ok(())
+//! }
+//! # fn main() {}
+//! ```
 
 #![warn(missing_docs)]
 
