@@ -7,35 +7,13 @@ mod reference;
 use candle_nn::{ParamsAdamW, SGD};
 use serde_json::Value;
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 
 fn run_harness(n: usize, args: &[&str], tag: &str) -> Vec<Value> {
-    let out = std::env::temp_dir().join(format!("ivme-dp-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&out);
-    let out_arg = format!("out={}", out.display());
-    let mut all: Vec<&str> = args.to_vec();
-    all.push(&out_arg);
-    let o = common::launch(n, &common::example_bin("harness"), &all, &[]);
-    let (so, se) = common::text(&o);
-    assert!(
-        o.status.success(),
-        "harness failed\nstdout:\n{so}\nstderr:\n{se}"
-    );
-    let reports = (0..n)
-        .map(|r| {
-            let p: PathBuf = out.join(format!("rank{r}.json"));
-            serde_json::from_slice(
-                &std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display())),
-            )
-            .unwrap()
-        })
-        .collect();
-    let _ = std::fs::remove_dir_all(&out);
-    reports
+    common::reports(n, "harness", args, &format!("dp-{tag}"))
 }
 
 pub fn params_of(v: &Value) -> BTreeMap<String, Vec<f32>> {
-    serde_json::from_value(v["params"].clone()).unwrap()
+    common::params(v)
 }
 
 fn assert_ranks_agree(reports: &[Value]) {

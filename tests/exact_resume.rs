@@ -8,29 +8,15 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 fn tmp(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("ivme-resume-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    d
+    common::scratch(&format!("resume-{tag}"))
 }
 
 fn harness(n: usize, args: &[&str], out: &Path) -> Vec<Value> {
-    let out_arg = format!("out={}", out.display());
-    let mut all: Vec<&str> = args.to_vec();
-    all.push(&out_arg);
-    let o = common::launch(n, &common::example_bin("harness"), &all, &[]);
-    let (so, se) = common::text(&o);
-    assert!(
-        o.status.success(),
-        "harness {args:?} failed\nstdout:\n{so}\nstderr:\n{se}"
-    );
-    (0..n)
-        .filter_map(|r| std::fs::read(out.join(format!("rank{r}.json"))).ok())
-        .map(|b| serde_json::from_slice(&b).unwrap())
-        .collect()
+    common::run_reports(n, "harness", args, out)
 }
 
 fn params(v: &Value) -> BTreeMap<String, Vec<f32>> {
-    serde_json::from_value(v["params"].clone()).unwrap()
+    common::params(v)
 }
 
 /// Trains `total` micro-steps straight through, and again as a run that saves at `save_at`

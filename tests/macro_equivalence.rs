@@ -9,34 +9,17 @@ use candle_nn::SGD;
 use std::collections::BTreeMap;
 
 fn run(n: usize, mode: &str, accum: usize, steps: usize) -> Vec<BTreeMap<String, Vec<f32>>> {
-    let out = std::env::temp_dir().join(format!(
-        "ivme-macro-{mode}-{n}-{accum}-{}",
-        std::process::id()
-    ));
-    let _ = std::fs::remove_dir_all(&out);
     let args = [
         format!("mode={mode}"),
         format!("accum={accum}"),
         format!("steps={steps}"),
-        format!("out={}", out.display()),
     ];
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let o = common::launch(n, &common::example_bin("macro_check"), &args, &[]);
-    let (so, se) = common::text(&o);
-    assert!(
-        o.status.success(),
-        "macro_check {args:?} failed\nstdout:\n{so}\nstderr:\n{se}"
-    );
-    let r = (0..n)
-        .map(|r| {
-            let v: serde_json::Value =
-                serde_json::from_slice(&std::fs::read(out.join(format!("rank{r}.json"))).unwrap())
-                    .unwrap();
-            serde_json::from_value(v["params"].clone()).unwrap()
-        })
-        .collect();
-    let _ = std::fs::remove_dir_all(&out);
-    r
+    let tag = format!("macro-{mode}-{n}-{accum}");
+    common::reports(n, "macro_check", &args, &tag)
+        .iter()
+        .map(common::params)
+        .collect()
 }
 
 #[test]

@@ -10,29 +10,11 @@ use serde_json::Value;
 use std::collections::BTreeMap;
 
 fn run(n: usize, args: &[&str], tag: &str) -> Vec<Value> {
-    let out = std::env::temp_dir().join(format!("ivme-tf-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&out);
-    let out_arg = format!("out={}", out.display());
-    let mut all: Vec<&str> = args.to_vec();
-    all.push(&out_arg);
-    let o = common::launch(n, &common::example_bin("harness"), &all, &[]);
-    let (so, se) = common::text(&o);
-    assert!(
-        o.status.success(),
-        "harness failed\nstdout:\n{so}\nstderr:\n{se}"
-    );
-    let r = (0..n)
-        .map(|r| {
-            serde_json::from_slice(&std::fs::read(out.join(format!("rank{r}.json"))).unwrap())
-                .unwrap()
-        })
-        .collect();
-    let _ = std::fs::remove_dir_all(&out);
-    r
+    common::reports(n, "harness", args, &format!("tf-{tag}"))
 }
 
 fn params(v: &Value) -> BTreeMap<String, Vec<f32>> {
-    serde_json::from_value(v["params"].clone()).unwrap()
+    common::params(v)
 }
 
 fn micro(v: &Value) -> &Vec<Value> {

@@ -70,3 +70,52 @@ pub fn text(out: &Output) -> (String, String) {
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
 }
+
+/// A fresh, empty path under the temp folder for one test's files.
+#[allow(dead_code)]
+pub fn scratch(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("ivme-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+/// Runs the example `name` on `n` processes with `args` plus `out=DIR`, checks it succeeded,
+/// and returns the JSON report each rank wrote to `DIR/rank{R}.json`, in rank order (ranks that
+/// wrote none are left out).
+#[allow(dead_code)]
+pub fn run_reports(n: usize, name: &str, args: &[&str], out: &Path) -> Vec<serde_json::Value> {
+    let out_arg = format!("out={}", out.display());
+    let mut all: Vec<&str> = args.to_vec();
+    all.push(&out_arg);
+    let o = launch(n, &example_bin(name), &all, &[]);
+    let (so, se) = text(&o);
+    assert!(
+        o.status.success(),
+        "{name} {args:?} failed\nstdout:\n{so}\nstderr:\n{se}"
+    );
+    (0..n)
+        .filter_map(|r| std::fs::read(out.join(format!("rank{r}.json"))).ok())
+        .map(|b| serde_json::from_slice(&b).expect("a rank's report is JSON"))
+        .collect()
+}
+
+/// Like [`run_reports`] in a scratch folder that is removed afterwards; every rank must report.
+#[allow(dead_code)]
+pub fn reports(n: usize, name: &str, args: &[&str], tag: &str) -> Vec<serde_json::Value> {
+    let out = scratch(tag);
+    let r = run_reports(n, name, args, &out);
+    let _ = std::fs::remove_dir_all(&out);
+    assert_eq!(
+        r.len(),
+        n,
+        "{name} {args:?}: only {} of {n} ranks reported",
+        r.len()
+    );
+    r
+}
+
+/// The `params` of a report: variable name → flattened values.
+#[allow(dead_code)]
+pub fn params(report: &serde_json::Value) -> std::collections::BTreeMap<String, Vec<f32>> {
+    serde_json::from_value(report["params"].clone()).expect("a report has params")
+}
