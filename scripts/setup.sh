@@ -6,14 +6,13 @@ set -euo pipefail
 SUDO=""
 if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 need=()
-command -v mpirun >/dev/null 2>&1 || need+=(openmpi-bin)
-[ -f /usr/include/x86_64-linux-gnu/openmpi/mpi.h ] || [ -f /usr/lib/x86_64-linux-gnu/openmpi/include/mpi.h ] || need+=(libopenmpi-dev)
-ls /usr/lib/x86_64-linux-gnu/libclang*.so* >/dev/null 2>&1 || ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1 || need+=(libclang-dev)
-command -v pkg-config >/dev/null 2>&1 || need+=(pkg-config)
+for pkg in openmpi-bin libopenmpi-dev libclang-dev pkg-config; do
+  dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
+done
 if [ ${#need[@]} -gt 0 ]; then
   echo "setup: installing ${need[*]}"
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}" libopenmpi-dev openmpi-bin libclang-dev pkg-config >/dev/null
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}" >/dev/null
 fi
 # The tracking tests read TensorBoard event files back with the reference reader.
 python3 -c "import tensorboard" >/dev/null 2>&1 || python3 -m pip install --quiet tensorboard
