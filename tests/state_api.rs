@@ -175,5 +175,15 @@ fn save_model_writes_shards_that_load_back() {
     }
     r.acc.load_model(&out).unwrap();
     assert_eq!(weights(&r.varmap), before);
+    // The same files into a plain candle model built without any Accelerator.
+    let plain = VarMap::new();
+    linear(
+        3,
+        1,
+        VarBuilder::from_varmap(&plain, DType::F32, &Device::Cpu),
+    )
+    .unwrap();
+    ivme::checkpoint::load_checkpoint_in_varmap(&plain, &out, &Device::Cpu).unwrap();
+    assert_eq!(weights(&plain), before);
     let _ = std::fs::remove_dir_all(project);
 }

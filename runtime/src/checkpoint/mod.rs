@@ -18,7 +18,8 @@ pub mod project;
 pub mod store;
 
 pub use model::{
-    load_checkpoint_in_model, read_safetensors_metadata, save_model, LoadReport, ShardSize,
+    load_checkpoint_in_model, load_checkpoint_in_varmap, read_safetensors_metadata, save_model,
+    LoadReport, ShardSize,
 };
 pub use project::{latest_valid, rotate, ProjectConfiguration};
 pub use store::{

@@ -303,6 +303,23 @@ fn locate(path: &Path) -> Result<BTreeMap<PathBuf, Vec<String>>> {
     Ok(files)
 }
 
+/// Loads a model file or folder into `varmap`'s variables by name, as
+/// [`load_checkpoint_in_model`] does (the form to use on a model built outside an Accelerator).
+pub fn load_checkpoint_in_varmap(
+    varmap: &candle_nn::VarMap,
+    path: &Path,
+    device: &Device,
+) -> Result<LoadReport> {
+    let vars: Vec<(String, Var)> = varmap
+        .data()
+        .lock()
+        .map_err(|_| Error::Usage("the VarMap's lock is poisoned by an earlier panic".into()))?
+        .iter()
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    load_checkpoint_in_model(&vars, path, device)
+}
+
 /// Loads a checkpoint into `vars`, one file at a time, converting each tensor to the dtype and
 /// device of its variable.
 ///
