@@ -157,23 +157,28 @@ impl Accelerator {
     /// named checkpoint of the project configuration. Every rank must call it. Returns the
     /// committed folder. A crash at any moment leaves the previous checkpoints intact.
     pub fn save_state(&mut self, dir: Option<&Path>) -> Result<PathBuf> {
-        let target = if self.is_main_process() {
-            Some(match (dir, &self.project) {
-                (Some(d), _) => d.to_path_buf(),
-                (None, Some(p)) if p.automatic_checkpoint_naming => p.next_checkpoint_dir()?,
-                (None, _) => {
-                    return Err(Error::Usage(
-                        "save_state(None) needs a ProjectConfiguration with automatic_checkpoint_naming; \
-                         set one with set_project_configuration or pass a folder"
-                            .into(),
-                    ))
-                }
-            })
-        } else {
-            None
+        // Every rank checks the request, so a bad one fails everywhere instead of leaving
+        // the other ranks waiting for rank 0's path.
+        let auto = self
+            .project
+            .as_ref()
+            .filter(|p| p.automatic_checkpoint_naming);
+        if dir.is_none() && auto.is_none() {
+            return Err(Error::Usage(
+                "save_state(None) needs a ProjectConfiguration with automatic_checkpoint_naming; \
+                 set one with set_project_configuration (or project_dir) or pass a folder"
+                    .into(),
+            ));
+        }
+        let chosen = match (self.is_main_process(), dir, auto) {
+            (false, _, _) => Ok(None),
+            (true, Some(d), _) => Ok(Some(d.to_path_buf())),
+            (true, None, Some(p)) => p.next_checkpoint_dir().map(Some),
+            (true, None, None) => Ok(None),
         };
+        let chosen = self.agree("naming the checkpoint", chosen)?;
         let target = self
-            .broadcast_path(target)?
+            .broadcast_path(chosen)?
             .ok_or_else(|| Error::Usage("no checkpoint folder".into()))?;
         let parent = target
             .parent()
