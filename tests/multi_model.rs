@@ -1,6 +1,8 @@
 //! Two models with their own optimizers, each with its own loss and backward in the same
 //! micro-step, accumulating over windows of 2: each must train exactly as plain candle would.
 
+mod common;
+
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{linear, Optimizer, VarBuilder, VarMap, SGD};
 use ivme::optim::{ParamsSgd, Sgd};
@@ -34,20 +36,7 @@ fn model(seed: u64) -> (VarMap, candle_nn::Linear) {
 }
 
 fn weights(vm: &VarMap) -> Vec<f32> {
-    let data = vm.data().lock().unwrap();
-    let mut names: Vec<&String> = data.keys().collect();
-    names.sort();
-    names
-        .iter()
-        .flat_map(|n| {
-            data[*n]
-                .as_tensor()
-                .flatten_all()
-                .unwrap()
-                .to_vec1::<f32>()
-                .unwrap()
-        })
-        .collect()
+    common::flat_weights(vm)
 }
 
 #[test]

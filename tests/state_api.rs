@@ -1,6 +1,8 @@
 //! save_state / load_state through the Accelerator on one process: automatic naming, rotation,
 //! choosing the newest verified checkpoint, and refusing damaged or mismatched ones.
 
+mod common;
+
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{linear, Optimizer, VarBuilder, VarMap};
 use ivme::optim::{AdamW, ParamsAdamW};
@@ -73,20 +75,7 @@ fn step(r: &mut Run) {
 }
 
 fn weights(vm: &VarMap) -> Vec<f32> {
-    let data = vm.data().lock().unwrap();
-    let mut names: Vec<&String> = data.keys().collect();
-    names.sort();
-    names
-        .iter()
-        .flat_map(|n| {
-            data[*n]
-                .as_tensor()
-                .flatten_all()
-                .unwrap()
-                .to_vec1::<f32>()
-                .unwrap()
-        })
-        .collect()
+    common::flat_weights(vm)
 }
 
 #[test]

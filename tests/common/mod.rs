@@ -119,3 +119,21 @@ pub fn reports(n: usize, name: &str, args: &[&str], tag: &str) -> Vec<serde_json
 pub fn params(report: &serde_json::Value) -> std::collections::BTreeMap<String, Vec<f32>> {
     serde_json::from_value(report["params"].clone()).expect("a report has params")
 }
+
+/// Every variable of `varmap`, flattened and concatenated in name order.
+#[allow(dead_code)]
+pub fn flat_weights(varmap: &candle_nn::VarMap) -> Vec<f32> {
+    let data = varmap.data().lock().expect("varmap lock");
+    let mut names: Vec<&String> = data.keys().collect();
+    names.sort();
+    names
+        .iter()
+        .flat_map(|n| {
+            data[*n]
+                .as_tensor()
+                .flatten_all()
+                .and_then(|t| t.to_vec1::<f32>())
+                .expect("f32 weights")
+        })
+        .collect()
+}
