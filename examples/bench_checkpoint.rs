@@ -1,6 +1,7 @@
 //! Save/load throughput of ~100 MB of f32 weights: candle's `VarMap::save`/`load` against ivme's
 //! `save_model` + `load_checkpoint_in_model` and the checkpoint store (`begin`/`write_rank`/
-//! `commit`, then `verify` + `read_rank`), which also fsync every file and checksum everything.
+//! `commit`, then `verify` + `read_rank`) and the Accelerator's `save_state`/`load_state`, which
+//! also fsync every file and checksum everything.
 //!
 //! Run with `cargo run --release --example bench_checkpoint [MB] [runs]`; best of `runs`.
 
@@ -111,6 +112,16 @@ fn main() -> ivme::Result<()> {
         }
         Ok(())
     })?;
+    // The whole path a training program takes: the Accelerator gathers the prepared model's
+    // state (and its RNG, counters) and saves/loads it through the store.
+    let mut acc = ivme::Accelerator::builder().cpu(true).build()?;
+    let _prepared = acc.prepare(varmap.clone())?;
+    let acc_dir = root.join("state");
+    let acc_save = best(runs, || {
+        fresh(&acc_dir);
+        acc.save_state(Some(&acc_dir)).map(drop)
+    })?;
+    let acc_load = best(runs, || acc.load_state(Some(&acc_dir)).map(drop))?;
     let _ = std::fs::remove_dir_all(&root);
 
     let mbs = |secs: f64| bytes / secs / 1e6;
@@ -123,10 +134,12 @@ fn main() -> ivme::Result<()> {
         ("candle VarMap::save", candle_save, candle_save),
         ("ivme save_model (atomic, fsync)", model_save, candle_save),
         ("ivme begin/write_rank/commit", store_save, candle_save),
+        ("ivme Accelerator::save_state", acc_save, candle_save),
         ("candle VarMap::load", candle_load, candle_load),
         ("ivme load_checkpoint_in_model", model_load, candle_load),
         ("ivme read_rank (checksummed) + set", read_only, candle_load),
         ("ivme verify + read_rank + set", store_load, candle_load),
+        ("ivme Accelerator::load_state", acc_load, candle_load),
     ];
     for (name, secs, base) in rows {
         println!(

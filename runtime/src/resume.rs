@@ -241,7 +241,8 @@ impl Accelerator {
     pub fn load_state(&mut self, dir: Option<&Path>) -> Result<PathBuf> {
         let chosen = if self.is_main_process() {
             let found = match (dir, &self.project) {
-                (Some(d), _) => store::verify(d).map(|_| d.to_path_buf()),
+                // Each rank checks every file it reads against the manifest while loading.
+                (Some(d), _) => store::read_manifest(d).map(|_| d.to_path_buf()),
                 (None, Some(p)) => latest_valid(&p.checkpoints_dir()).and_then(|f| {
                     f.map(|(d, _)| d).ok_or_else(|| Error::Checkpoint {
                         path: p.checkpoints_dir(),
@@ -283,7 +284,10 @@ impl Accelerator {
                 ),
             });
         }
-        let shared = store::read_rank(dir, 0)?;
+        // Model weights stream straight into the variables (memory stays near one tensor);
+        // everything else is small enough to read whole.
+        let is_model = |c: &str| c.starts_with("model_");
+        let shared = store::read_rank_with(dir, 0, |c| !is_model(c))?;
         let mine = if self.process_index() == 0 {
             shared.clone()
         } else {
@@ -293,20 +297,40 @@ impl Accelerator {
             |s: &RankState, name: &str| s.get(name).cloned().ok_or_else(|| missing(dir, name));
 
         for i in 0..self.models.len() {
-            let c = get(&shared, &format!("model_{i}"))?;
+            let component = format!("model_{i}");
+            get(&shared, &component)?;
             let m = &self.models[i];
-            for ((name, master), compute) in m.names.iter().zip(&m.master).zip(&m.compute) {
-                let t = c
-                    .tensors
-                    .iter()
-                    .find(|(n, _)| n == name)
-                    .map(|(_, t)| t)
-                    .ok_or_else(|| missing(dir, name))?;
+            let check = |listing: &[(String, DType, Vec<usize>)]| -> Result<()> {
+                for (name, master) in m.names.iter().zip(&m.master) {
+                    match listing.iter().find(|(n, _, _)| n == name) {
+                        None => return Err(missing(dir, name)),
+                        Some((_, _, shape)) if shape.as_slice() != master.dims() => {
+                            return Err(Error::Checkpoint {
+                                path: dir.to_path_buf(),
+                                msg: format!(
+                                    "has `{name}` with shape {shape:?} but the model's is {:?}; \
+                                     was it saved by this model?",
+                                    master.dims()
+                                ),
+                            })
+                        }
+                        Some(_) => {}
+                    }
+                }
+                Ok(())
+            };
+            let set = |name: &str, t: Tensor| -> Result<()> {
+                let Some(i) = m.names.iter().position(|n| n == name) else {
+                    return Ok(());
+                };
+                let (master, compute) = (&m.master[i], &m.compute[i]);
                 master.set(&t.to_dtype(DType::F32)?.to_device(master.device())?)?;
                 if compute.as_tensor().id() != master.as_tensor().id() {
                     compute.set(&master.as_tensor().to_dtype(compute.dtype())?)?;
                 }
-            }
+                Ok(())
+            };
+            store::stream_tensors(dir, 0, &component, check, set)?;
         }
         for i in 0..self.optimizers.len() {
             let c = get(&shared, &format!("optimizer_{i}"))?;

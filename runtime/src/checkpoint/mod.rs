@@ -23,6 +23,6 @@ pub use model::{
 };
 pub use project::{latest_valid, rotate, ProjectConfiguration};
 pub use store::{
-    begin, clean_stale, commit, read_rank, verify, Cleaned, Component, FileEntry, Manifest,
-    ManifestMeta, RankState,
+    begin, clean_stale, commit, read_rank, read_rank_with, stream_tensors, verify, Cleaned,
+    Component, FileEntry, Manifest, ManifestMeta, RankState,
 };

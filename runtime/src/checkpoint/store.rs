@@ -282,6 +282,13 @@ pub fn commit(tmp: &Path, final_dir: &Path, meta: ManifestMeta) -> Result<Manife
 /// Each file of the rank is checked against the manifest's size and checksum as it is read, so
 /// a truncated or flipped file is an error naming it. Call [`verify`] first to check all ranks.
 pub fn read_rank(dir: &Path, rank: usize) -> Result<RankState> {
+    read_rank_with(dir, rank, |_| true)
+}
+
+/// Like [`read_rank`], but the tensors of components for which `keep` is false are only
+/// checked, not loaded (their `tensors` come back empty): for components that
+/// [`stream_tensors`] will set in place.
+pub fn read_rank_with(dir: &Path, rank: usize, keep: impl Fn(&str) -> bool) -> Result<RankState> {
     let m = read_manifest(dir)?;
     if rank >= m.world_size {
         return Err(bad(
@@ -332,11 +339,12 @@ pub fn read_rank(dir: &Path, rank: usize) -> Result<RankState> {
         check_component_name(&name)?;
         let e = entry(&format!("{name}.safetensors"))?;
         let mut tensors = Vec::new();
+        let wanted = keep(&name);
         format::read_tensors(
             &dir.join(&e.path),
             Some((e.size, e.crc32)),
             &Device::Cpu,
-            |_| true,
+            |_| wanted,
             |info, t| {
                 tensors.push((info.name.clone(), t));
                 Ok(())
@@ -356,6 +364,50 @@ pub fn read_rank(dir: &Path, rank: usize) -> Result<RankState> {
         });
     }
     Ok(RankState { components })
+}
+
+/// Hands each tensor of rank `rank`'s component `component` to `take`, one at a time (memory
+/// stays near one tensor). The file is first read once to check its size and checksum against
+/// the manifest, and `check` is shown every tensor's name, dtype and shape, so a damaged or
+/// mismatched file is refused before `take` sees anything.
+pub fn stream_tensors(
+    dir: &Path,
+    rank: usize,
+    component: &str,
+    check: impl FnOnce(&[(String, candle_core::DType, Vec<usize>)]) -> Result<()>,
+    mut take: impl FnMut(&str, Tensor) -> Result<()>,
+) -> Result<()> {
+    check_component_name(component)?;
+    let m = read_manifest(dir)?;
+    let rel = format!("{}/{component}.safetensors", rank_dir(rank));
+    let e = m
+        .files
+        .iter()
+        .find(|e| e.path == rel)
+        .ok_or_else(|| bad(&dir.join(&rel), "is missing from the manifest"))?;
+    safe_rel(dir, &e.path)?;
+    let path = dir.join(&e.path);
+    let header = format::read_tensors(
+        &path,
+        Some((e.size, e.crc32)),
+        &Device::Cpu,
+        |_| false,
+        |_, _| Ok(()),
+    )?;
+    let listing: Vec<(String, candle_core::DType, Vec<usize>)> = header
+        .tensors
+        .iter()
+        .map(|t| (t.name.clone(), t.dtype, t.shape.clone()))
+        .collect();
+    check(&listing)?;
+    format::read_tensors(
+        &path,
+        None,
+        &Device::Cpu,
+        |_| true,
+        |info, t| take(&info.name, t),
+    )?;
+    Ok(())
 }
 
 /// What [`clean_stale`] did in a folder.
