@@ -2,12 +2,15 @@
 //! pass, so a user sees every mistake in the attribute at once.
 
 use crate::errors::Errors;
+use crate::values::{
+    boolean, grad_accum, positive_float, precision, project_dir, seed, total_limit,
+};
 use proc_macro2::{Literal, Span, TokenStream};
 use quote::{quote, quote_spanned};
 use syn::parse::Parser;
 use syn::punctuated::Punctuated;
 use syn::spanned::Spanned;
-use syn::{Expr, Lit, Meta, Token, UnOp};
+use syn::{Meta, Token};
 
 /// Every key the attribute accepts, in the order the builder calls are emitted.
 pub(crate) const KEYS: &[&str] = &[
@@ -29,7 +32,7 @@ const ALIASES: &[(&str, &str)] = &[
 ];
 
 /// The precisions `precision = ".."` accepts.
-const PRECISIONS: &[&str] = &["no", "fp16", "bf16"];
+pub(crate) const PRECISIONS: &[&str] = &["no", "fp16", "bf16"];
 
 /// One value from the attribute with the spans errors and generated code point at.
 #[derive(Debug, Clone)]
@@ -227,166 +230,6 @@ fn missing_value(path: &syn::Path) -> syn::Error {
         _ => return unknown_key(path, &key),
     };
     syn::Error::new_spanned(path, format!("`{key}` needs a value, e.g. `{example}`"))
-}
-
-/// The literal inside `value`, and whether it was negated (`-1`).
-fn literal(value: &Expr) -> Option<(&Lit, bool)> {
-    match value {
-        Expr::Lit(l) => Some((&l.lit, false)),
-        Expr::Unary(u) if matches!(u.op, UnOp::Neg(_)) => match &*u.expr {
-            Expr::Lit(l) => Some((&l.lit, true)),
-            _ => None,
-        },
-        Expr::Group(g) => literal(&g.expr),
-        Expr::Paren(p) => literal(&p.expr),
-        _ => None,
-    }
-}
-
-fn grad_accum(value: &Expr) -> syn::Result<usize> {
-    let range = "`grad_accum` must be at least 1: it is the number of micro-batches summed \
-                 into each optimizer step";
-    match literal(value) {
-        Some((Lit::Int(i), negative)) => {
-            // syn folds `-3` in an attribute into one literal with a `-` in its digits.
-            let negative = negative || i.base10_digits().starts_with('-');
-            if negative {
-                return Err(syn::Error::new_spanned(value, range));
-            }
-            let n: usize = i.base10_parse().map_err(|_| {
-                syn::Error::new_spanned(value, "`grad_accum` is too large for a usize")
-            })?;
-            if n == 0 {
-                return Err(syn::Error::new_spanned(value, range));
-            }
-            Ok(n)
-        }
-        _ => Err(syn::Error::new_spanned(
-            value,
-            "`grad_accum` takes an integer literal, e.g. `grad_accum = 4`",
-        )),
-    }
-}
-
-fn precision(value: &Expr) -> syn::Result<&'static str> {
-    let valid = PRECISIONS
-        .iter()
-        .map(|p| format!("\"{p}\""))
-        .collect::<Vec<_>>()
-        .join(", ");
-    match literal(value) {
-        Some((Lit::Str(s), false)) => {
-            let v = s.value();
-            if let Some(p) = PRECISIONS.iter().find(|p| **p == v) {
-                return Ok(p);
-            }
-            let hint = match closest(&v.to_ascii_lowercase(), PRECISIONS) {
-                Some(p) => format!("; did you mean \"{p}\"?"),
-                None => String::new(),
-            };
-            Err(syn::Error::new_spanned(
-                value,
-                format!("unknown precision \"{v}\": use one of {valid}{hint}"),
-            ))
-        }
-        _ => {
-            let hint = match value {
-                Expr::Path(p) if p.path.get_ident().is_some() => {
-                    let word = quote!(#p).to_string();
-                    format!(" (write `precision = \"{word}\"`)")
-                }
-                _ => String::new(),
-            };
-            Err(syn::Error::new_spanned(
-                value,
-                format!("`precision` takes a string, one of {valid}{hint}"),
-            ))
-        }
-    }
-}
-
-fn positive_float(key: &str, value: &Expr) -> syn::Result<f64> {
-    let parsed: Option<f64> = match literal(value) {
-        Some((Lit::Float(f), neg)) => f
-            .base10_parse::<f64>()
-            .ok()
-            .map(|v| if neg { -v } else { v }),
-        Some((Lit::Int(i), neg)) => i
-            .base10_parse::<f64>()
-            .ok()
-            .map(|v| if neg { -v } else { v }),
-        _ => {
-            return Err(syn::Error::new_spanned(
-                value,
-                format!("`{key}` takes a number, e.g. `{key} = 1.0`"),
-            ))
-        }
-    };
-    match parsed {
-        Some(v) if v.is_finite() && v > 0.0 => Ok(v),
-        _ => Err(syn::Error::new_spanned(
-            value,
-            format!("`{key}` must be a positive, finite number: it is the clipping threshold"),
-        )),
-    }
-}
-
-fn boolean(value: &Expr) -> syn::Result<bool> {
-    match literal(value) {
-        Some((Lit::Bool(b), false)) => Ok(b.value),
-        _ => Err(syn::Error::new_spanned(
-            value,
-            "`cpu` takes `true` or `false`",
-        )),
-    }
-}
-
-fn project_dir(value: &Expr) -> syn::Result<String> {
-    match literal(value) {
-        Some((Lit::Str(s), false)) if !s.value().trim().is_empty() => Ok(s.value()),
-        _ => Err(syn::Error::new_spanned(
-            value,
-            "`project_dir` takes a non-empty string, the folder checkpoints go under, e.g. \
-             `project_dir = \"runs/demo\"`",
-        )),
-    }
-}
-
-fn total_limit(value: &Expr) -> syn::Result<usize> {
-    match literal(value) {
-        Some((Lit::Int(i), false)) => match i.base10_parse::<usize>() {
-            Ok(n) if n >= 1 => Ok(n),
-            _ => Err(syn::Error::new_spanned(
-                value,
-                "`total_limit` must be at least 1: it is how many checkpoints are kept",
-            )),
-        },
-        _ => Err(syn::Error::new_spanned(
-            value,
-            "`total_limit` takes a whole number >= 1, e.g. `total_limit = 3`",
-        )),
-    }
-}
-
-fn seed(value: &Expr) -> syn::Result<u64> {
-    match literal(value) {
-        Some((Lit::Int(i), false)) if !i.base10_digits().starts_with('-') => {
-            i.base10_parse().map_err(|_| {
-                syn::Error::new_spanned(
-                    value,
-                    "`seed` must fit in a u64 (0 to 18446744073709551615)",
-                )
-            })
-        }
-        Some((Lit::Int(_), _)) => Err(syn::Error::new_spanned(
-            value,
-            "`seed` must not be negative: it is a u64",
-        )),
-        _ => Err(syn::Error::new_spanned(
-            value,
-            "`seed` takes an integer literal, e.g. `seed = 42`",
-        )),
-    }
 }
 
 /// The candidate closest to `word` by edit distance, when it is close enough to be a typo.

@@ -9,6 +9,7 @@ mod config;
 mod errors;
 mod rewrite;
 mod signature;
+mod values;
 
 #[cfg(test)]
 mod snapshots;
