@@ -2,6 +2,9 @@
 //! edge case, loading into variables, key checks, escaping indexes, corruption of any file,
 //! crash leftovers, numbering after a resume and rotation.
 
+mod common;
+
+use common::Scratch;
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
@@ -13,24 +16,6 @@ use ivme::checkpoint::{
     ProjectConfiguration, RankState, ShardSize,
 };
 use serde_json::json;
-
-/// A fresh folder under the system temp dir, removed when dropped.
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(tag: &str) -> Scratch {
-        let p = std::env::temp_dir().join(format!("ivme-ckpt-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).unwrap();
-        Scratch(p)
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 fn ramp(n: usize, seed: f32) -> Vec<f32> {
     (0..n)
@@ -187,7 +172,7 @@ fn every_max_shard_size_edge_case_round_trips() {
 
 #[test]
 fn loading_converts_to_each_variables_dtype() {
-    let tmp = Scratch::new("dtype");
+    let tmp = Scratch::new("ckpt-dtype");
     let src = mixed();
     save_model(&src, &tmp.0, Some(ShardSize::from_bytes(100).unwrap())).unwrap();
     let targets = [DType::F16, DType::F32, DType::F32, DType::BF16];
@@ -209,7 +194,7 @@ fn loading_converts_to_each_variables_dtype() {
 
 #[test]
 fn missing_misshaped_and_unexpected_keys_are_named() {
-    let tmp = Scratch::new("keys");
+    let tmp = Scratch::new("ckpt-keys");
     let src = mixed();
     save_model(&src, &tmp.0, None).unwrap();
     let dev = Device::Cpu;
@@ -250,7 +235,7 @@ fn missing_misshaped_and_unexpected_keys_are_named() {
 
 #[test]
 fn index_entries_escaping_the_folder_are_refused() {
-    let tmp = Scratch::new("escape");
+    let tmp = Scratch::new("ckpt-escape");
     let inner = tmp.0.join("model");
     let src = mixed();
     save_model(&src[..1], &tmp.0, None).unwrap(); // a real file outside `model/`
@@ -286,7 +271,7 @@ fn index_entries_escaping_the_folder_are_refused() {
 
 #[test]
 fn a_new_layout_removes_the_files_of_the_old_one() {
-    let tmp = Scratch::new("stale");
+    let tmp = Scratch::new("ckpt-stale");
     let src = mixed();
     save_model(&src, &tmp.0, Some(ShardSize::from_bytes(1).unwrap())).unwrap();
     assert_eq!(files_in(&tmp.0).len(), 5);
@@ -385,7 +370,7 @@ fn assert_state_eq(got: &RankState, want: &RankState) {
 
 #[test]
 fn rank_state_round_trips_in_saving_order_with_a_full_manifest() {
-    let tmp = Scratch::new("state");
+    let tmp = Scratch::new("ckpt-state");
     let dir = tmp.0.join("ckpt");
     let m = save_all(&dir, 7);
     assert_eq!((m.world_size, m.step, m.format_version), (2, 7, 1));
@@ -409,7 +394,7 @@ fn rank_state_round_trips_in_saving_order_with_a_full_manifest() {
 
 #[test]
 fn truncating_or_flipping_any_byte_of_any_file_is_detected() {
-    let tmp = Scratch::new("corrupt");
+    let tmp = Scratch::new("ckpt-corrupt");
     let dir = tmp.0.join("ckpt");
     save_all(&dir, 3);
     let mut files = vec![PathBuf::from("manifest.json")];
@@ -463,7 +448,7 @@ fn truncating_or_flipping_any_byte_of_any_file_is_detected() {
 
 #[test]
 fn commit_keeps_verified_checkpoints_and_replaces_broken_ones() {
-    let tmp = Scratch::new("commit");
+    let tmp = Scratch::new("ckpt-commit");
     let dir = tmp.0.join("ckpt");
     save_all(&dir, 1);
     let again = begin(&dir).unwrap();
@@ -491,7 +476,7 @@ fn commit_keeps_verified_checkpoints_and_replaces_broken_ones() {
 
 #[test]
 fn crash_leftovers_are_cleaned_and_finished_saves_recovered() {
-    let tmp = Scratch::new("stale-tmp");
+    let tmp = Scratch::new("ckpt-stale-tmp");
     let half = begin(&tmp.0.join("checkpoint_4")).unwrap();
     ivme::checkpoint::store::write_rank(&half, 0, &two_rank_state(4)[0]).unwrap();
     std::fs::create_dir_all(tmp.0.join(".checkpoint_1.del/rank0")).unwrap();
@@ -511,7 +496,7 @@ fn crash_leftovers_are_cleaned_and_finished_saves_recovered() {
 
 #[test]
 fn numbering_continues_after_a_resume_and_rotation_keeps_the_newest() {
-    let tmp = Scratch::new("project");
+    let tmp = Scratch::new("ckpt-project");
     let cfg = ProjectConfiguration::new(&tmp.0)
         .automatic_checkpoint_naming(true)
         .total_limit(2);

@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::{example_bin, ivme_bin, text};
+use common::{example_bin, ivme_bin, ok, refused, text};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -46,24 +46,6 @@ fn ivme_in(dir: &Path, config: &Path, args: &[&str], stdin: &str) -> Output {
 /// Runs `ivme args...` with `config` as its config file and nothing on stdin.
 fn ivme(dir: &Path, config: &Path, args: &[&str]) -> Output {
     ivme_in(dir, config, args, "")
-}
-
-fn ok(out: &Output) -> String {
-    let (stdout, stderr) = text(out);
-    assert!(
-        out.status.success(),
-        "ivme failed\nstdout:\n{stdout}\nstderr:\n{stderr}"
-    );
-    stdout
-}
-
-fn refused(out: &Output) -> String {
-    let (stdout, stderr) = text(out);
-    assert!(
-        !out.status.success(),
-        "ivme should have failed\nstdout:\n{stdout}\nstderr:\n{stderr}"
-    );
-    stderr
 }
 
 /// The `key = value` lines of a config file, comments dropped.

@@ -258,7 +258,7 @@ mod reference;
 /// and `127.0.0.1`, which Open MPI runs as one node but ivme launches through its
 /// multi-machine path (a host list, no loopback binding, machine ranks).
 mod multi_machine {
-    use super::common::{example_bin, ivme_bin, text};
+    use super::common::{example_bin, ivme_bin, ok, refused};
     use super::reference;
     use serde_json::Value;
     use std::collections::BTreeMap;
@@ -282,24 +282,6 @@ mod multi_machine {
             .env_remove("XDG_CONFIG_HOME")
             .output()
             .expect("the ivme binary runs")
-    }
-
-    fn ok(out: &Output) -> String {
-        let (stdout, stderr) = text(out);
-        assert!(
-            out.status.success(),
-            "ivme failed\nstdout:\n{stdout}\nstderr:\n{stderr}"
-        );
-        stdout
-    }
-
-    fn refused(out: &Output) -> String {
-        let (stdout, stderr) = text(out);
-        assert!(
-            !out.status.success(),
-            "ivme should have failed\nstdout:\n{stdout}\nstderr:\n{stderr}"
-        );
-        stderr
     }
 
     fn params(path: &Path) -> BTreeMap<String, Vec<f32>> {

@@ -3,6 +3,9 @@
 //!
 //! The Python tests need `python3` with `safetensors` and `numpy` (`scripts/setup.sh`).
 
+mod common;
+
+use common::Scratch;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -10,23 +13,6 @@ use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::VarBuilder;
 use ivme::checkpoint::{load_checkpoint_in_model, save_model, ShardSize};
 use serde_json::Value;
-
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(tag: &str) -> Scratch {
-        let p = std::env::temp_dir().join(format!("ivme-interop-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).unwrap();
-        Scratch(p)
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 fn values(t: &Tensor) -> Vec<f64> {
     t.to_dtype(DType::F64)
@@ -84,7 +70,7 @@ fn check_with_var_builder(files: &[PathBuf], src: &[(String, Tensor)]) {
 
 #[test]
 fn candle_var_builder_reads_single_and_sharded_saves() {
-    let tmp = Scratch::new("vb");
+    let tmp = Scratch::new("interop-vb");
     let src = weights(true);
     let single = save_model(&src, &tmp.0.join("single"), None).unwrap();
     assert_eq!(single, vec![tmp.0.join("single/model.safetensors")]);
@@ -144,7 +130,7 @@ print(json.dumps(out))
 
 #[test]
 fn python_safetensors_reads_every_shard_ivme_wrote() {
-    let tmp = Scratch::new("py-read");
+    let tmp = Scratch::new("interop-py-read");
     let src = weights(false); // numpy has no bfloat16
     save_model(&src, &tmp.0, Some(ShardSize::parse("40B").unwrap())).unwrap();
     let got: Value = serde_json::from_str(&python(READ_ALL, &[&tmp.0])).unwrap();
@@ -199,7 +185,7 @@ json.dump({"metadata": {"total_size": total}, "weight_map": weight_map},
 
 #[test]
 fn ivme_loads_a_sharded_checkpoint_written_by_python() {
-    let tmp = Scratch::new("py-write");
+    let tmp = Scratch::new("interop-py-write");
     python(WRITE_SHARDED, &[&tmp.0]);
     let dev = Device::Cpu;
     let vars = vec![

@@ -137,3 +137,45 @@ pub fn flat_weights(varmap: &candle_nn::VarMap) -> Vec<f32> {
         })
         .collect()
 }
+
+/// A fresh folder under the temp dir, removed when dropped.
+#[allow(dead_code)]
+pub struct Scratch(pub PathBuf);
+
+#[allow(dead_code)]
+impl Scratch {
+    /// Creates `ivme-{tag}-{pid}` empty.
+    pub fn new(tag: &str) -> Scratch {
+        let p = scratch(tag);
+        std::fs::create_dir_all(&p).expect("creating a scratch folder");
+        Scratch(p)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Asserts the command succeeded and returns its stdout.
+#[allow(dead_code)]
+pub fn ok(out: &Output) -> String {
+    let (stdout, stderr) = text(out);
+    assert!(
+        out.status.success(),
+        "ivme failed\nstdout:\n{stdout}\nstderr:\n{stderr}"
+    );
+    stdout
+}
+
+/// Asserts the command failed and returns its stderr.
+#[allow(dead_code)]
+pub fn refused(out: &Output) -> String {
+    let (stdout, stderr) = text(out);
+    assert!(
+        !out.status.success(),
+        "ivme should have failed\nstdout:\n{stdout}\nstderr:\n{stderr}"
+    );
+    stderr
+}
