@@ -3,7 +3,7 @@
 
 use crate::errors::Errors;
 use crate::values::{
-    boolean, grad_accum, positive_float, precision, project_dir, seed, total_limit,
+    boolean, grad_accum, positive_float, precision, project_dir, seconds, seed, total_limit,
 };
 use proc_macro2::{Literal, Span, TokenStream};
 use quote::{quote, quote_spanned};
@@ -22,6 +22,8 @@ pub(crate) const KEYS: &[&str] = &[
     "seed",
     "project_dir",
     "total_limit",
+    "collective_timeout",
+    "debug_sync",
 ];
 
 /// Names users bring from other training libraries, mapped to ours.
@@ -52,6 +54,8 @@ pub(crate) struct Config {
     pub seed: Option<Setting<u64>>,
     pub project_dir: Option<Setting<String>>,
     pub total_limit: Option<Setting<usize>>,
+    pub collective_timeout: Option<Setting<f64>>,
+    pub debug_sync: Option<Setting<bool>>,
     /// The key names as written, for errors about the attribute as a whole.
     pub keys: Vec<syn::Path>,
 }
@@ -104,6 +108,15 @@ impl Config {
         if let Some(s) = &self.total_limit {
             let v = spanned_lit(Literal::usize_unsuffixed(s.value), s.span);
             calls.extend(quote_spanned!(s.span=> .total_limit(#v)));
+        }
+        if let Some(s) = &self.collective_timeout {
+            let v = spanned_lit(Literal::f64_unsuffixed(s.value), s.span);
+            calls.extend(quote_spanned!(s.span=>
+                .collective_timeout(::std::time::Duration::from_secs_f64(#v))));
+        }
+        if let Some(s) = &self.debug_sync {
+            let v = syn::LitBool::new(s.value, s.span);
+            calls.extend(quote_spanned!(s.span=> .debug_sync(#v)));
         }
         calls
     }
@@ -184,6 +197,10 @@ pub(crate) fn parse(attr: TokenStream) -> Result<Config, syn::Error> {
             "cpu" => boolean(value).map(|v| config.cpu = setting(v, span)),
             "project_dir" => project_dir(value).map(|v| config.project_dir = setting(v, span)),
             "total_limit" => total_limit(value).map(|v| config.total_limit = setting(v, span)),
+            "collective_timeout" => {
+                seconds(&key, value).map(|v| config.collective_timeout = setting(v, span))
+            }
+            "debug_sync" => boolean(value).map(|v| config.debug_sync = setting(v, span)),
             _ => seed(value).map(|v| config.seed = setting(v, span)),
         };
         if let Err(e) = result {
@@ -227,6 +244,8 @@ fn missing_value(path: &syn::Path) -> syn::Error {
         "seed" => "seed = 42",
         "project_dir" => "project_dir = \"runs/demo\"",
         "total_limit" => "total_limit = 3",
+        "collective_timeout" => "collective_timeout = 600",
+        "debug_sync" => "debug_sync = true",
         _ => return unknown_key(path, &key),
     };
     syn::Error::new_spanned(path, format!("`{key}` needs a value, e.g. `{example}`"))

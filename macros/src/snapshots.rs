@@ -121,6 +121,28 @@ fn keys_become_builder_calls_in_a_fixed_order() {
 }
 
 #[test]
+fn fault_keys_set_the_collective_deadline_and_debug_mode() {
+    assert_expands(
+        quote!(debug_sync = true, collective_timeout = 30),
+        quote!(
+            fn f() -> anyhow::Result<()> {
+                Ok(())
+            }
+        ),
+        quote! {
+            fn f() -> anyhow::Result<()> {
+                #[allow(unused_mut, unused_variables)]
+                let mut accelerator = ::ivme::Accelerator::builder()
+                    .collective_timeout(::std::time::Duration::from_secs_f64(30.0))
+                    .debug_sync(true)
+                    .build()?;
+                Ok(())
+            }
+        },
+    );
+}
+
+#[test]
 fn every_device_choice_becomes_the_accelerators_device() {
     assert_expands(
         quote!(),

@@ -81,6 +81,31 @@ pub(crate) fn precision(value: &Expr) -> syn::Result<&'static str> {
     }
 }
 
+/// A positive, finite number of seconds (an integer or a float literal).
+pub(crate) fn seconds(key: &str, value: &Expr) -> syn::Result<f64> {
+    let parsed = match literal(value) {
+        Some((Lit::Float(f), false)) => f.base10_parse::<f64>().ok(),
+        Some((Lit::Int(i), false)) => i.base10_parse::<f64>().ok(),
+        Some((Lit::Float(_) | Lit::Int(_), true)) => None,
+        _ => {
+            return Err(syn::Error::new_spanned(
+                value,
+                format!("`{key}` takes a number of seconds, e.g. `{key} = 600`"),
+            ))
+        }
+    };
+    match parsed {
+        Some(v) if v.is_finite() && v > 0.0 => Ok(v),
+        _ => Err(syn::Error::new_spanned(
+            value,
+            format!(
+                "`{key}` must be a positive number of seconds: it is how long a collective may \
+                 wait for the other processes, e.g. `{key} = 600`"
+            ),
+        )),
+    }
+}
+
 pub(crate) fn positive_float(key: &str, value: &Expr) -> syn::Result<f64> {
     let parsed: Option<f64> = match literal(value) {
         Some((Lit::Float(f), neg)) => f

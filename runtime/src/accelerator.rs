@@ -43,6 +43,8 @@ pub struct Accelerator {
     pub(crate) loaders: Vec<Shared<crate::data::LoaderPosition>>,
     pub(crate) registered: Vec<Box<dyn Stateful>>,
     pub(crate) project: Option<crate::checkpoint::ProjectConfiguration>,
+    /// Checkpoint folders this job writes (held from the first automatic save until drop).
+    pub(crate) checkpoint_locks: Vec<crate::checkpoint::FolderLock>,
     pub(crate) trackers: Shared<Option<crate::tracking::Trackers>>,
     pub(crate) scaler: Option<LossScaler>,
     pub(crate) grad_state: Arc<GradientState>,
@@ -375,12 +377,14 @@ impl Accelerator {
         }
         let mut out = GradStore::default();
         let inv_scale = 1.0 / scale;
+        let position = self.grad_state.position();
         let mut overflow = false;
         // Only the models this loss reached end their window here: another model trained in
         // the same micro-step (a second loss, a GAN's other half) ends it at its own backward.
         for (m, _) in self.models.iter_mut().zip(&touched).filter(|(_, t)| **t) {
             overflow |= m.take_synced(
                 &self.comm,
+                position,
                 self.bucket_bytes,
                 inv_scale,
                 self.scaler.is_some(),

@@ -2,7 +2,7 @@
 //! launcher's environment, and the checks that refuse what this build or device cannot do.
 
 use crate::accelerator::Accelerator;
-use crate::comm::{self, Counted};
+use crate::comm::{self, CommOptions, Counted};
 use crate::config::{resolve, Precision, Resolved};
 use crate::error::{Error, Result};
 use crate::grads::GradientState;
@@ -12,6 +12,7 @@ use crate::state::{select_device, EnvLayout, ProcessState};
 use crate::stateful::Shared;
 use candle_core::{DType, Device, Tensor};
 use std::sync::Arc;
+use std::time::Duration;
 
 /// Settings for an [`Accelerator`]; anything left unset comes from the launcher's
 /// environment (`IVME_*`), then from the defaults.
@@ -27,6 +28,8 @@ pub struct AcceleratorBuilder {
     initial_loss_scale: Option<f64>,
     project_dir: Option<std::path::PathBuf>,
     total_limit: Option<usize>,
+    collective_timeout: Option<Duration>,
+    debug_sync: Option<bool>,
 }
 
 impl AcceleratorBuilder {
@@ -34,6 +37,22 @@ impl AcceleratorBuilder {
     /// naming); see [`ProjectConfiguration`](crate::checkpoint::ProjectConfiguration).
     pub fn project_dir(mut self, dir: impl Into<std::path::PathBuf>) -> Self {
         self.project_dir = Some(dir.into());
+        self
+    }
+
+    /// How long one collective may wait for the other processes (10 minutes by default, or
+    /// `IVME_COLLECTIVE_TIMEOUT` seconds): past it the job fails with an error naming the
+    /// collective and the ranks that had not arrived, instead of hanging.
+    pub fn collective_timeout(mut self, timeout: Duration) -> Self {
+        self.collective_timeout = Some(timeout);
+        self
+    }
+
+    /// Checks before every collective that all processes are at the same call (sequence
+    /// number, kind, size) and fails naming what each was doing when they are not; also
+    /// `IVME_DEBUG_SYNC=1`. One small extra collective per collective: for debugging.
+    pub fn debug_sync(mut self, on: bool) -> Self {
+        self.debug_sync = Some(on);
         self
     }
 
@@ -139,6 +158,7 @@ impl AcceleratorBuilder {
             }
         }
 
+        let comm_options = self.comm_options()?;
         let project = match (self.project_dir, self.total_limit) {
             (Some(dir), limit) => {
                 let mut p = crate::checkpoint::ProjectConfiguration::new(dir)
@@ -164,7 +184,7 @@ impl AcceleratorBuilder {
             Some(l) => (l.rank, l.world_size, l.local_rank, l.local_world_size),
             None => (0, 1, 0, 1),
         };
-        let comm = comm::open(world)?;
+        let comm = comm::open(world, &comm_options)?;
         if comm.world_size() != world || comm.rank() != rank {
             return Err(Error::Setup(format!(
                 "the environment says rank {rank} of {world} but {} says rank {} of {}; start \
@@ -208,11 +228,65 @@ impl AcceleratorBuilder {
             loaders: Vec::new(),
             registered: Vec::new(),
             project,
+            checkpoint_locks: Vec::new(),
             trackers: Shared::new(None),
             // Rank-specific streams: dropout on different data must not share masks.
             rng: Shared::new(Rng::new(mix(self.seed.unwrap_or(0), rank as u64))),
         })
     }
+}
+
+impl AcceleratorBuilder {
+    /// The collective deadline and debug mode: the builder's, else the launcher's variables.
+    fn comm_options(&self) -> Result<CommOptions> {
+        let timeout = match self.collective_timeout {
+            Some(t) => t,
+            None => match std::env::var(TIMEOUT_VAR) {
+                Ok(raw) if !raw.trim().is_empty() => parse_seconds(TIMEOUT_VAR, &raw)?,
+                _ => comm::DEFAULT_TIMEOUT,
+            },
+        };
+        if timeout.is_zero() {
+            return Err(Error::config(
+                "collective_timeout",
+                "0 s",
+                "use a positive duration, e.g. 600 seconds",
+            ));
+        }
+        let debug_sync = match self.debug_sync {
+            Some(on) => on,
+            None => match std::env::var(DEBUG_SYNC_VAR).unwrap_or_default().trim() {
+                "" | "0" | "false" | "off" => false,
+                "1" | "true" | "on" => true,
+                other => {
+                    return Err(Error::config(
+                        DEBUG_SYNC_VAR,
+                        other,
+                        "use 1 to check every collective across ranks, or 0",
+                    ))
+                }
+            },
+        };
+        Ok(CommOptions {
+            timeout,
+            debug_sync,
+        })
+    }
+}
+
+/// The launcher's variable for the collective deadline, in seconds.
+const TIMEOUT_VAR: &str = "IVME_COLLECTIVE_TIMEOUT";
+/// The launcher's variable that turns on the cross-rank check of every collective.
+const DEBUG_SYNC_VAR: &str = "IVME_DEBUG_SYNC";
+
+/// Reads a positive number of seconds (`90`, `0.5`).
+fn parse_seconds(key: &str, raw: &str) -> Result<Duration> {
+    raw.trim()
+        .parse::<f64>()
+        .ok()
+        .filter(|s| s.is_finite() && *s > 0.0)
+        .map(Duration::from_secs_f64)
+        .ok_or_else(|| Error::config(key, raw, "use a positive number of seconds, e.g. 600"))
 }
 
 /// Refuses a precision the device cannot run, rather than silently training in f32.

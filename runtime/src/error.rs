@@ -6,7 +6,10 @@ use std::path::PathBuf;
 pub type Result<T> = std::result::Result<T, Error>;
 
 /// Everything that can go wrong in ivme, raised on every rank that sees it.
-#[derive(Debug, thiserror::Error)]
+///
+/// Its `Debug` form is its message, so `fn main() -> ivme::Result<()>` prints what went wrong
+/// and what to do (`Error: checkpoint ...: ...`) rather than the enum's fields.
+#[derive(thiserror::Error)]
 pub enum Error {
     /// A tensor operation failed inside candle.
     #[error(transparent)]
@@ -65,6 +68,12 @@ pub enum Error {
     /// Misuse of an API, with the fix in the message.
     #[error("{0}")]
     Usage(String),
+}
+
+impl std::fmt::Debug for Error {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(self, f)
+    }
 }
 
 impl Error {

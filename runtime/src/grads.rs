@@ -163,6 +163,8 @@ struct Cursor {
     auto_index: u64,
     // Padding samples at the end of the batch handed out last (for gather_for_metrics).
     last_padding: usize,
+    // The index in its epoch of the batch a data source handed out last, plus one (0: none).
+    last_batch: u64,
 }
 
 /// Tracks accumulation windows for one Accelerator.
@@ -233,6 +235,14 @@ impl GradientState {
         self.lock().last_padding
     }
 
+    /// Where the data stands, for the cross-rank check of the gradient sync: the index of the
+    /// batch handed out last plus one (0 when no data source reports batches), combined with
+    /// the automatic micro-step counter. Equal on every rank of a program in step.
+    pub fn position(&self) -> u64 {
+        let c = self.lock();
+        c.last_batch ^ c.auto_index.rotate_left(32)
+    }
+
     /// The automatic micro-step counter (for checkpoints).
     pub fn auto_index(&self) -> u64 {
         self.lock().auto_index
@@ -251,6 +261,7 @@ impl StepObserver for GradientState {
         c.data_driven = true;
         c.pending = Some(step);
         c.last_padding = padding;
+        c.last_batch = index as u64 + 1;
     }
 }
 
@@ -302,6 +313,7 @@ impl ParamSet {
     pub(crate) fn take_synced(
         &mut self,
         comm: &dyn Communicator,
+        position: u64,
         bucket_bytes: usize,
         inv_scale: f64,
         check_overflow: bool,
@@ -330,7 +342,7 @@ impl ParamSet {
             }
         }
         if world > 1 {
-            all_reduce_bucketed(comm, &mut grads, bucket_bytes)?;
+            all_reduce_bucketed(comm, &mut grads, bucket_bytes, position)?;
         }
         let mut overflow = false;
         let mut it = grads.into_iter();
@@ -357,10 +369,15 @@ impl ParamSet {
 
 /// Averages `grads` across processes with one collective per bucket of at most
 /// `bucket_bytes` (a tensor larger than a bucket travels alone).
+///
+/// `position` says where this rank's data stands (see [`GradientState::position`]); every
+/// rank must pass the same value, or the sync fails on every rank instead of averaging
+/// gradients of different batches.
 pub fn all_reduce_bucketed(
     comm: &dyn Communicator,
     grads: &mut [Tensor],
     bucket_bytes: usize,
+    position: u64,
 ) -> Result<()> {
     let mut start = 0;
     while start < grads.len() {
@@ -383,7 +400,7 @@ pub fn all_reduce_bucketed(
         } else {
             Tensor::cat(&flat, 0)?
         };
-        let reduced = comm.all_reduce(&flat, ReduceOp::Mean)?;
+        let reduced = comm.all_reduce_checked(&flat, ReduceOp::Mean, position)?;
         let mut offset = 0;
         for g in &mut grads[start..end] {
             let n = g.elem_count();

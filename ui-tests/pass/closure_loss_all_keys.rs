@@ -13,7 +13,9 @@ use ivme::optim::{AdamW, ParamsAdamW};
     cpu = true,
     seed = 7,
     project_dir = "runs/demo",
-    total_limit = 2
+    total_limit = 2,
+    collective_timeout = 90.5,
+    debug_sync = true
 )]
 fn train(batches: Vec<(Tensor, Tensor)>) -> Result<f32, Box<dyn std::error::Error>> {
     let device = Device::cuda_if_available(0)?;

@@ -9,6 +9,8 @@ use candle_core::Tensor;
 #[cfg(feature = "mpi")]
 mod mpi;
 mod single;
+#[cfg(feature = "mpi")]
+mod watch;
 
 #[cfg(feature = "mpi")]
 pub use self::mpi::MpiComm;
@@ -36,6 +38,14 @@ pub trait Communicator {
     fn world_size(&self) -> usize;
     /// Combines `t` from every rank with `op`; every rank gets the result.
     fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor>;
+    /// Like [`all_reduce`](Self::all_reduce) with `Sum` or `Mean`, and fails on every rank
+    /// when the ranks did not reach this call after the same number of collectives with the
+    /// same `position` (where their data stands): the gradient sync uses it so that ranks that
+    /// drifted apart never average gradients of different steps.
+    fn all_reduce_checked(&self, t: &Tensor, op: ReduceOp, position: u64) -> Result<Tensor> {
+        let _ = position;
+        self.all_reduce(t, op)
+    }
     /// Every rank gets rank `root`'s `t`.
     fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor>;
     /// Concatenates every rank's `t` along dimension 0, in rank order.
@@ -100,6 +110,10 @@ impl Communicator for Counted {
         self.tick();
         self.inner.all_reduce(t, op)
     }
+    fn all_reduce_checked(&self, t: &Tensor, op: ReduceOp, position: u64) -> Result<Tensor> {
+        self.tick();
+        self.inner.all_reduce_checked(t, op, position)
+    }
     fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
         self.tick();
         self.inner.broadcast(t, root)
@@ -125,18 +139,44 @@ impl Communicator for Counted {
     }
 }
 
+/// How long a collective may wait for its peers unless told otherwise: long enough for a
+/// peer to save a large checkpoint, short enough that a stuck job does not idle for hours.
+pub const DEFAULT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(600);
+
+/// How a multi-process communicator watches its collectives.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CommOptions {
+    /// How long one collective may wait for the other ranks before the job fails, naming
+    /// the collective and the ranks that had not arrived.
+    pub timeout: std::time::Duration,
+    /// Compare every collective across ranks before running it (kind, sequence number, size),
+    /// failing with what each rank was doing when they differ. Costs one small collective per
+    /// collective: a debugging aid.
+    pub debug_sync: bool,
+}
+
+impl Default for CommOptions {
+    fn default() -> Self {
+        CommOptions {
+            timeout: DEFAULT_TIMEOUT,
+            debug_sync: false,
+        }
+    }
+}
+
 /// Opens the communicator for a layout: MPI when a launcher started several processes,
 /// the single-process world otherwise.
-pub fn open(world_size: usize) -> Result<Box<dyn Communicator>> {
+pub fn open(world_size: usize, options: &CommOptions) -> Result<Box<dyn Communicator>> {
     if world_size <= 1 {
         return Ok(Box::new(SingleComm));
     }
     #[cfg(feature = "mpi")]
     {
-        Ok(Box::new(MpiComm::init()?))
+        Ok(Box::new(MpiComm::init(options)?))
     }
     #[cfg(not(feature = "mpi"))]
     {
+        let _ = options;
         Err(crate::Error::Setup(format!(
             "the launcher started {world_size} processes but ivme was built without the `mpi` \
              feature; enable it (default features) or run one process"

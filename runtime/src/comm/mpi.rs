@@ -2,23 +2,32 @@
 //!
 //! MPI has no f16/bf16 types, so low-precision tensors travel as f32 and come back in their
 //! own dtype. Tensors on a GPU are staged through host memory.
+//!
+//! Every collective is non-blocking underneath and waited for by the job's [`Watch`], which
+//! gives it a deadline and ends it early when a peer failed or left; dropping the communicator
+//! finalizes MPI only after every rank said goodbye, so a failing rank never hangs the job.
 
-use super::{Communicator, ReduceOp};
+use super::watch::{Ending, Op, OpKind, Watch};
+use super::{CommOptions, Communicator, ReduceOp};
 use crate::error::{Error, Result};
 use candle_core::{DType, Device, Tensor};
 use mpi::collective::SystemOperation;
-use mpi::datatype::PartitionMut;
+use mpi::datatype::{Equivalence, PartitionMut};
 use mpi::environment::Universe;
 use mpi::topology::Communicator as _;
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::{CommunicatorCollectives, Root};
 use mpi::Count;
+use std::mem::{forget, ManuallyDrop};
 
-/// The MPI world of this run. Dropping it finalizes MPI, which cannot be started again.
+/// The MPI world of this run. Dropping it finalizes MPI (which cannot be started again) when
+/// the run ended cleanly on every rank, and leaves MPI alone after a failure.
 pub struct MpiComm {
     world: SimpleCommunicator,
-    // Held only to keep MPI alive: its drop finalizes MPI.
-    _universe: Universe,
+    // Its control channel is freed only on a clean end, before MPI is finalized.
+    watch: ManuallyDrop<Watch>,
+    // Dropped (which finalizes MPI) only after a clean goodbye from every rank.
+    universe: ManuallyDrop<Universe>,
 }
 
 impl std::fmt::Debug for MpiComm {
@@ -29,7 +38,7 @@ impl std::fmt::Debug for MpiComm {
 
 impl MpiComm {
     /// Starts MPI; fails if this process already started it (one Accelerator per program).
-    pub fn init() -> Result<Self> {
+    pub fn init(options: &CommOptions) -> Result<Self> {
         let universe = mpi::initialize().ok_or_else(|| {
             Error::Setup(
                 "MPI is already initialised in this process: create one Accelerator per program"
@@ -37,9 +46,11 @@ impl MpiComm {
             )
         })?;
         let world = universe.world();
+        let watch = Watch::new(&world, options.timeout, options.debug_sync);
         Ok(MpiComm {
             world,
-            _universe: universe,
+            watch: ManuallyDrop::new(watch),
+            universe: ManuallyDrop::new(universe),
         })
     }
 
@@ -49,6 +60,141 @@ impl MpiComm {
             ReduceOp::Max => SystemOperation::max(),
             ReduceOp::Min => SystemOperation::min(),
         }
+    }
+
+    /// Runs one collective under the watch: numbered, compared across ranks in debug mode,
+    /// and counted as done only when it completed.
+    fn collective<T>(&self, op: Op, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        let seq = self.watch.enter(op)?;
+        if self.watch.debug_sync {
+            self.compare(seq, op)?;
+        }
+        let out = f()?;
+        self.watch.leave_op();
+        Ok(out)
+    }
+
+    /// Debug mode: every rank shows the others which call it is at before making it.
+    fn compare(&self, seq: u64, op: Op) -> Result<()> {
+        let mine = [seq, op.kind as u64, op.count, op.root, op.position];
+        let all = self.gather(mine.to_vec(), vec![0u64; 5 * self.world_size()])?;
+        let rows: Vec<&[u64]> = all.chunks(5).collect();
+        if rows.iter().all(|r| *r == mine) {
+            return Ok(());
+        }
+        let each: Vec<String> = rows
+            .iter()
+            .enumerate()
+            .map(|(r, row)| format!("rank {r} is at {}", describe(row)))
+            .collect();
+        Err(self.watch.fail(format!(
+            "the ranks are not at the same collective (IVME_DEBUG_SYNC): {}; every rank must \
+             make the same collective calls in the same order with the same shapes",
+            each.join(", ")
+        )))
+    }
+
+    fn all_reduce_vec<T: Equivalence>(&self, send: Vec<T>, op: ReduceOp) -> Result<Vec<T>>
+    where
+        T: Clone + Default,
+    {
+        let mut recv = vec![T::default(); send.len()];
+        let op = Self::op(op);
+        let res = mpi::request::scope(|s| {
+            let req = self
+                .world
+                .immediate_all_reduce_into(s, &send[..], &mut recv[..], op);
+            self.watch.wait(req)
+        });
+        keep_or_leak(res, (send, recv)).map(|(_, recv)| recv)
+    }
+
+    fn bcast_vec<T: Equivalence>(&self, mut buf: Vec<T>, root: usize) -> Result<Vec<T>> {
+        let root = self.world.process_at_rank(root as i32);
+        let res = mpi::request::scope(|s| {
+            let req = root.immediate_broadcast_into(s, &mut buf[..]);
+            self.watch.wait(req)
+        });
+        keep_or_leak(res, buf)
+    }
+
+    fn gather<T: Equivalence>(&self, send: Vec<T>, mut recv: Vec<T>) -> Result<Vec<T>> {
+        let res = mpi::request::scope(|s| {
+            let req = self
+                .world
+                .immediate_all_gather_into(s, &send[..], &mut recv[..]);
+            self.watch.wait(req)
+        });
+        keep_or_leak(res, (send, recv)).map(|(_, recv)| recv)
+    }
+
+    fn gather_bytes(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
+        let n = self.world_size();
+        let counts = self.gather(vec![bytes.len() as Count], vec![0 as Count; n])?;
+        let displs: Vec<Count> = counts
+            .iter()
+            .scan(0, |acc, &c| {
+                let d = *acc;
+                *acc += c;
+                Some(d)
+            })
+            .collect();
+        let total: Count = counts.iter().sum();
+        let send = bytes.to_vec();
+        let mut recv = vec![0u8; total as usize];
+        let res = {
+            let mut part = PartitionMut::new(&mut recv[..], &counts[..], &displs[..]);
+            mpi::request::scope(|s| {
+                let req = self
+                    .world
+                    .immediate_all_gather_varcount_into(s, &send[..], &mut part);
+                self.watch.wait(req)
+            })
+        };
+        let (_, recv, counts, displs) = keep_or_leak(res, (send, recv, counts, displs))?;
+        Ok(counts
+            .iter()
+            .zip(&displs)
+            .map(|(&c, &d)| recv[d as usize..(d + c) as usize].to_vec())
+            .collect())
+    }
+
+    fn reduce_f32(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        let recv = self.all_reduce_vec(host_f32(t)?, op)?;
+        back(self.mean(recv, op), t)
+    }
+
+    fn mean(&self, mut v: Vec<f32>, op: ReduceOp) -> Vec<f32> {
+        if op == ReduceOp::Mean {
+            let inv = 1.0 / self.world_size() as f32;
+            v.iter_mut().for_each(|x| *x *= inv);
+        }
+        v
+    }
+}
+
+/// Hands the buffers back after a completed collective; after a failed one MPI may still
+/// write into them, so they are leaked instead.
+fn keep_or_leak<B>(res: Result<()>, buffers: B) -> Result<B> {
+    match res {
+        Ok(()) => Ok(buffers),
+        Err(e) => {
+            forget(buffers);
+            Err(e)
+        }
+    }
+}
+
+fn describe(row: &[u64]) -> String {
+    let op = OpKind::from_code(row[1]).map(|kind| Op {
+        kind,
+        count: row[2],
+        root: row[3],
+        position: row[4],
+    });
+    match op {
+        Some(op) => format!("collective #{} ({op})", row[0] + 1),
+        None => format!("collective #{} (an unknown call)", row[0] + 1),
     }
 }
 
@@ -62,6 +208,10 @@ fn back(data: Vec<f32>, like: &Tensor) -> Result<Tensor> {
     Ok(t.to_dtype(like.dtype())?.to_device(like.device())?)
 }
 
+fn is_int(dt: DType) -> bool {
+    matches!(dt, DType::I64 | DType::U32 | DType::U8)
+}
+
 impl Communicator for MpiComm {
     fn rank(&self) -> usize {
         self.world.rank() as usize
@@ -72,143 +222,192 @@ impl Communicator for MpiComm {
     }
 
     fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
-        match t.dtype() {
+        if is_int(t.dtype()) && op == ReduceOp::Mean {
+            return Err(Error::Comm(
+                "a mean of integer tensors is not exact; reduce with Sum and divide as floats"
+                    .into(),
+            ));
+        }
+        let desc = Op {
+            kind: OpKind::AllReduce,
+            count: t.elem_count() as u64,
+            root: 0,
+            position: 0,
+        };
+        self.collective(desc, || match t.dtype() {
             DType::F64 => {
-                let send = t.flatten_all()?.to_vec1::<f64>()?;
-                let mut recv = vec![0f64; send.len()];
-                self.world
-                    .all_reduce_into(&send[..], &mut recv[..], Self::op(op));
+                let mut recv = self.all_reduce_vec(t.flatten_all()?.to_vec1::<f64>()?, op)?;
                 if op == ReduceOp::Mean {
                     let n = self.world_size() as f64;
                     recv.iter_mut().for_each(|x| *x /= n);
                 }
                 Ok(Tensor::from_vec(recv, t.shape(), &Device::Cpu)?.to_device(t.device())?)
             }
-            DType::I64 | DType::U32 | DType::U8 if op == ReduceOp::Mean => Err(Error::Comm(
-                "a mean of integer tensors is not exact; reduce with Sum and divide as floats"
-                    .into(),
-            )),
-            DType::I64 | DType::U32 | DType::U8 => {
+            dt if is_int(dt) => {
                 let send = t.to_dtype(DType::I64)?.flatten_all()?.to_vec1::<i64>()?;
-                let mut recv = vec![0i64; send.len()];
-                self.world
-                    .all_reduce_into(&send[..], &mut recv[..], Self::op(op));
+                let recv = self.all_reduce_vec(send, op)?;
                 let r = Tensor::from_vec(recv, t.shape(), &Device::Cpu)?;
                 Ok(r.to_dtype(t.dtype())?.to_device(t.device())?)
             }
-            _ => {
-                let send = host_f32(t)?;
-                let mut recv = vec![0f32; send.len()];
-                self.world
-                    .all_reduce_into(&send[..], &mut recv[..], Self::op(op));
-                if op == ReduceOp::Mean {
-                    let inv = 1.0 / self.world_size() as f32;
-                    recv.iter_mut().for_each(|x| *x *= inv);
-                }
-                back(recv, t)
-            }
+            _ => self.reduce_f32(t, op),
+        })
+    }
+
+    fn all_reduce_checked(&self, t: &Tensor, op: ReduceOp, position: u64) -> Result<Tensor> {
+        let desc = Op {
+            kind: OpKind::GradSync,
+            count: t.elem_count() as u64,
+            root: 0,
+            position,
+        };
+        let seq = self.watch.enter(desc)?;
+        if self.watch.debug_sync {
+            self.compare(seq, desc)?;
         }
+        // Two small integers ride along: a hash of how many collectives this rank ran before and
+        // where its data stands, folded to 1..=16, and its square. Their sums (exact in f32)
+        // equal n·v and n·v² only if every rank has the same v, so ranks that drifted apart
+        // cannot average gradients of different steps unnoticed (a drift that hashes alike
+        // is caught at a later step, or when the ranks end a collective apart).
+        let v = (crate::rng::mix(seq, position) % 16 + 1) as f32;
+        let mut send = host_f32(t)?;
+        send.extend([v, v * v]);
+        let mut recv = self.all_reduce_vec(send, ReduceOp::Sum)?;
+        let n = self.world_size() as f32;
+        let (sum_sq, sum) = (recv.pop().unwrap_or(0.0), recv.pop().unwrap_or(0.0));
+        if sum != n * v || sum_sq != n * v * v {
+            return Err(self.watch.fail(format!(
+                "the gradient sync on rank {} (collective #{}) does not line up across ranks: \
+                 they reached it after different numbers of collectives or at different batches \
+                 (a rank ran an extra or a missing backward, batch or wait_for_everyone), so \
+                 averaging would mix gradients of different steps; rerun with \
+                 IVME_DEBUG_SYNC=1 to see what each rank was doing",
+                self.rank(),
+                seq + 1
+            )));
+        }
+        self.watch.leave_op();
+        back(self.mean(recv, op), t)
     }
 
     fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
-        let root_proc = self.world.process_at_rank(root as i32);
-        match t.dtype() {
+        let desc = Op {
+            kind: OpKind::Broadcast,
+            count: t.elem_count() as u64,
+            root: root as u64,
+            position: 0,
+        };
+        self.collective(desc, || match t.dtype() {
             DType::F64 => {
-                let mut data = t.flatten_all()?.to_vec1::<f64>()?;
-                root_proc.broadcast_into(&mut data[..]);
+                let data = self.bcast_vec(t.flatten_all()?.to_vec1::<f64>()?, root)?;
                 Ok(Tensor::from_vec(data, t.shape(), &Device::Cpu)?.to_device(t.device())?)
             }
-            DType::I64 | DType::U32 | DType::U8 => {
-                let mut data = t.to_dtype(DType::I64)?.flatten_all()?.to_vec1::<i64>()?;
-                root_proc.broadcast_into(&mut data[..]);
+            dt if is_int(dt) => {
+                let data = t.to_dtype(DType::I64)?.flatten_all()?.to_vec1::<i64>()?;
+                let data = self.bcast_vec(data, root)?;
                 let r = Tensor::from_vec(data, t.shape(), &Device::Cpu)?;
                 Ok(r.to_dtype(t.dtype())?.to_device(t.device())?)
             }
-            _ => {
-                // f16/bf16 widen to f32 exactly, so the round trip is lossless.
-                let mut data = host_f32(t)?;
-                root_proc.broadcast_into(&mut data[..]);
-                back(data, t)
-            }
-        }
+            // f16/bf16 widen to f32 exactly, so the round trip is lossless.
+            _ => back(self.bcast_vec(host_f32(t)?, root)?, t),
+        })
     }
 
     fn all_gather(&self, t: &Tensor) -> Result<Tensor> {
-        // Shapes must agree, or MPI would read past buffers: check first, cheaply.
-        let dims: Vec<u8> = t
-            .dims()
-            .iter()
-            .flat_map(|d| (*d as u64).to_le_bytes())
-            .collect();
-        let all_dims = self.all_gather_bytes(&dims)?;
-        if let Some((r, _)) = all_dims.iter().enumerate().find(|(_, d)| **d != dims) {
-            return Err(Error::Comm(format!(
-                "all_gather: rank {} has shape {:?} but rank {r} has another; pad with \
-                 `pad_across_processes` first",
-                self.rank(),
-                t.dims()
-            )));
-        }
-        let send = host_f32(t)?;
-        let mut recv = vec![0f32; send.len() * self.world_size()];
-        self.world.all_gather_into(&send[..], &mut recv[..]);
-        let mut dims = t.dims().to_vec();
-        if dims.is_empty() {
-            dims.push(self.world_size());
-        } else {
-            dims[0] *= self.world_size();
-        }
-        let r = Tensor::from_vec(recv, dims, &Device::Cpu)?;
-        Ok(r.to_dtype(t.dtype())?.to_device(t.device())?)
+        let desc = Op {
+            kind: OpKind::AllGather,
+            count: t.elem_count() as u64,
+            root: 0,
+            position: 0,
+        };
+        self.collective(desc, || {
+            // Shapes must agree, or MPI would read past buffers: check first, cheaply.
+            let dims: Vec<u8> = t
+                .dims()
+                .iter()
+                .flat_map(|d| (*d as u64).to_le_bytes())
+                .collect();
+            let all_dims = self.gather_bytes(&dims)?;
+            if let Some((r, _)) = all_dims.iter().enumerate().find(|(_, d)| **d != dims) {
+                return Err(Error::Comm(format!(
+                    "all_gather: rank {} has shape {:?} but rank {r} has another; pad with \
+                     `pad_across_processes` first",
+                    self.rank(),
+                    t.dims()
+                )));
+            }
+            let send = host_f32(t)?;
+            let recv = vec![0f32; send.len() * self.world_size()];
+            let recv = self.gather(send, recv)?;
+            let mut dims = t.dims().to_vec();
+            if dims.is_empty() {
+                dims.push(self.world_size());
+            } else {
+                dims[0] *= self.world_size();
+            }
+            let r = Tensor::from_vec(recv, dims, &Device::Cpu)?;
+            Ok(r.to_dtype(t.dtype())?.to_device(t.device())?)
+        })
     }
 
     fn broadcast_bytes(&self, bytes: Vec<u8>, root: usize) -> Result<Vec<u8>> {
-        let root_proc = self.world.process_at_rank(root as i32);
-        let mut len = bytes.len() as u64;
-        root_proc.broadcast_into(&mut len);
-        let mut buf = if self.rank() == root {
-            bytes
-        } else {
-            vec![0u8; len as usize]
+        let desc = Op {
+            kind: OpKind::BroadcastBytes,
+            count: 0,
+            root: root as u64,
+            position: 0,
         };
-        if len > 0 {
-            root_proc.broadcast_into(&mut buf[..]);
-        }
-        Ok(buf)
+        self.collective(desc, || {
+            let len = self.bcast_vec(vec![bytes.len() as u64], root)?[0];
+            let buf = if self.rank() == root {
+                bytes
+            } else {
+                vec![0u8; len as usize]
+            };
+            if len == 0 {
+                return Ok(buf);
+            }
+            self.bcast_vec(buf, root)
+        })
     }
 
     fn all_gather_bytes(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
-        let n = self.world_size();
-        let len = bytes.len() as Count;
-        let mut counts = vec![0 as Count; n];
-        self.world.all_gather_into(&len, &mut counts[..]);
-        let displs: Vec<Count> = counts
-            .iter()
-            .scan(0, |acc, &c| {
-                let d = *acc;
-                *acc += c;
-                Some(d)
-            })
-            .collect();
-        let total: Count = counts.iter().sum();
-        let mut recv = vec![0u8; total as usize];
-        {
-            let mut part = PartitionMut::new(&mut recv[..], &counts[..], &displs[..]);
-            self.world.all_gather_varcount_into(bytes, &mut part);
-        }
-        Ok(counts
-            .iter()
-            .zip(&displs)
-            .map(|(&c, &d)| recv[d as usize..(d + c) as usize].to_vec())
-            .collect())
+        let desc = Op {
+            kind: OpKind::AllGatherBytes,
+            count: 0,
+            root: 0,
+            position: 0,
+        };
+        self.collective(desc, || self.gather_bytes(bytes))
     }
 
     fn barrier(&self) -> Result<()> {
-        self.world.barrier();
-        Ok(())
+        let desc = Op {
+            kind: OpKind::Barrier,
+            count: 0,
+            root: 0,
+            position: 0,
+        };
+        self.collective(desc, || self.watch.wait(self.world.immediate_barrier()))
     }
 
     fn name(&self) -> &'static str {
         "mpi"
+    }
+}
+
+impl Drop for MpiComm {
+    fn drop(&mut self) {
+        match self.watch.finish(std::thread::panicking()) {
+            // SAFETY: each is dropped exactly once, here, the control channel before MPI is
+            // finalized; nothing uses MPI after this.
+            Ending::Clean => unsafe {
+                ManuallyDrop::drop(&mut self.watch);
+                ManuallyDrop::drop(&mut self.universe);
+            },
+            // Finalizing could wait forever for a peer stuck in a collective: the process ends
+            // without it, and the launcher ends the other ranks.
+            Ending::Failed => {}
+        }
     }
 }

@@ -1,0 +1,569 @@
+//! The watch over an MPI job's collectives: deadlines, a control channel between ranks, and
+//! the goodbye that lets a job end without a rank finalizing into a hang.
+//!
+//! Every collective is started non-blocking and waited for here. While it waits, a rank also
+//! reads a second communicator (the control channel) on which ranks tell each other that they
+//! left the run (their Accelerator was dropped), that they failed, or ask where the others are
+//! when a deadline passes. So a collective that can never complete (a peer returned an error, a
+//! peer panicked, a peer skipped a call) ends with an error on every rank in milliseconds, and one
+//! that a stopped or stuck peer holds up ends at its deadline, naming the peers that did not come.
+
+use crate::error::{Error, Result};
+use mpi::ffi;
+use mpi::point_to_point::{Destination, Source};
+use mpi::request::{Request, Scope, StaticScope};
+use mpi::topology::{Communicator as _, SimpleCommunicator};
+use std::cell::RefCell;
+use std::fmt;
+use std::time::{Duration, Instant};
+
+/// Tag of every control message (the control channel is a communicator of its own).
+const TAG: i32 = 77;
+
+/// The variable in which the launcher's rank wrapper names its status folder.
+pub(crate) const STATUS_DIR_VAR: &str = "IVME_STATUS_DIR";
+
+/// How long a rank that stopped for a failed peer waits for that peer to exit first.
+const LINGER: Duration = Duration::from_secs(3);
+
+/// How long a timed-out rank waits for its peers to say where they are.
+const INQUIRY: Duration = Duration::from_secs(2);
+
+/// How long a rank busy-polls a collective before it starts sleeping between polls.
+const SPIN: Duration = Duration::from_millis(2);
+
+/// The longest sleep between two polls: bounds the latency a sleeping wait adds.
+const MAX_NAP: Duration = Duration::from_millis(1);
+
+/// What kind of control message a rank sends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u64)]
+enum Kind {
+    /// "I left the run after completing `seq` collectives."
+    Leave = 1,
+    /// "I failed: every collective of this job is over."
+    Abort = 2,
+    /// "Where are you?" sent by a rank whose deadline passed.
+    Where = 3,
+    /// The answer to `Where`: the collective this rank is in (or 0 when between collectives).
+    Here = 4,
+}
+
+impl Kind {
+    fn from_code(code: u64) -> Option<Kind> {
+        Some(match code {
+            1 => Kind::Leave,
+            2 => Kind::Abort,
+            3 => Kind::Where,
+            4 => Kind::Here,
+            _ => return None,
+        })
+    }
+}
+
+/// The collective a rank is in, as ranks compare and report it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Op {
+    /// Which collective.
+    pub kind: OpKind,
+    /// How many elements this rank contributes (0 where ranks may legitimately differ).
+    pub count: u64,
+    /// The root rank of a broadcast (0 otherwise).
+    pub root: u64,
+    /// Where the data stands at a gradient sync (see `GradientState::position`; 0 otherwise).
+    pub position: u64,
+}
+
+/// The collectives the MPI backend runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u64)]
+pub(crate) enum OpKind {
+    /// `all_reduce`.
+    AllReduce = 1,
+    /// The gradient sync's `all_reduce`.
+    GradSync = 2,
+    /// `broadcast`.
+    Broadcast = 3,
+    /// `all_gather`.
+    AllGather = 4,
+    /// `broadcast_bytes`.
+    BroadcastBytes = 5,
+    /// `all_gather_bytes`.
+    AllGatherBytes = 6,
+    /// `barrier`.
+    Barrier = 7,
+}
+
+impl OpKind {
+    pub fn from_code(code: u64) -> Option<OpKind> {
+        Some(match code {
+            1 => OpKind::AllReduce,
+            2 => OpKind::GradSync,
+            3 => OpKind::Broadcast,
+            4 => OpKind::AllGather,
+            5 => OpKind::BroadcastBytes,
+            6 => OpKind::AllGatherBytes,
+            7 => OpKind::Barrier,
+            _ => return None,
+        })
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            OpKind::AllReduce => "all_reduce",
+            OpKind::GradSync => "gradient all_reduce",
+            OpKind::Broadcast => "broadcast",
+            OpKind::AllGather => "all_gather",
+            OpKind::BroadcastBytes => "broadcast_bytes",
+            OpKind::AllGatherBytes => "all_gather_bytes",
+            OpKind::Barrier => "barrier (wait_for_everyone)",
+        }
+    }
+}
+
+impl fmt::Display for Op {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.kind.name())?;
+        match self.kind {
+            OpKind::Barrier => Ok(()),
+            OpKind::Broadcast | OpKind::BroadcastBytes => {
+                write!(f, " from rank {}", self.root)?;
+                if self.count > 0 {
+                    write!(f, " of {} values", self.count)?;
+                }
+                Ok(())
+            }
+            _ if self.count > 0 => {
+                write!(f, " of {} values", self.count)?;
+                // The position packs the backward calls made without a data source (high half)
+                // and the index of the batch handed out last, plus one (low half).
+                let (calls, batch) = (self.position >> 32, self.position & 0xffff_ffff);
+                if batch > 0 {
+                    write!(f, " after batch {} of the epoch", batch - 1)?;
+                }
+                if calls > 0 {
+                    write!(f, " after {calls} backward calls")?;
+                }
+                Ok(())
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+/// A collective in progress: its number in this rank's sequence and what it is.
+#[derive(Debug, Clone, Copy)]
+struct Current {
+    seq: u64,
+    op: Op,
+}
+
+impl fmt::Display for Current {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "collective #{} ({})", self.seq + 1, self.op)
+    }
+}
+
+#[derive(Debug, Default)]
+struct State {
+    /// Collectives this rank has completed.
+    done: u64,
+    /// The collective this rank is waiting in.
+    current: Option<Current>,
+    /// For each rank that left the run: how many collectives it had completed.
+    left: Vec<Option<u64>>,
+    /// Set once this job cannot communicate any more; every later collective fails with it.
+    failed: Option<String>,
+    /// Whether this rank already told the others that it failed.
+    abort_sent: bool,
+    /// The peer whose failure (or early goodbye) ended this rank's run, if one did.
+    cause: Option<usize>,
+}
+
+/// Deadlines, the control channel and the end-of-run protocol of one MPI job.
+pub(crate) struct Watch {
+    ctrl: SimpleCommunicator,
+    rank: usize,
+    size: usize,
+    /// How long one collective may take before the job fails.
+    pub timeout: Duration,
+    /// Whether every collective is first compared across ranks.
+    pub debug_sync: bool,
+    state: RefCell<State>,
+}
+
+/// What the end-of-run protocol concluded.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Ending {
+    /// Every rank left cleanly: MPI may be finalized.
+    Clean,
+    /// Something failed: finalizing could wait forever for a peer stuck in a collective.
+    Failed,
+}
+
+impl Watch {
+    /// Watches the job of `world` through a control channel duplicated from it.
+    pub fn new(world: &SimpleCommunicator, timeout: Duration, debug_sync: bool) -> Watch {
+        let size = world.size() as usize;
+        Watch {
+            ctrl: world.duplicate(),
+            rank: world.rank() as usize,
+            size,
+            timeout,
+            debug_sync,
+            state: RefCell::new(State {
+                left: vec![None; size],
+                ..State::default()
+            }),
+        }
+    }
+
+    /// Marks the start of a collective: fails at once if the job already failed.
+    pub fn enter(&self, op: Op) -> Result<u64> {
+        self.poll(None)?;
+        let mut s = self.state.borrow_mut();
+        if let Some(msg) = &s.failed {
+            return Err(Error::Comm(msg.clone()));
+        }
+        let seq = s.done;
+        let gone = (0..self.size).find(|&r| s.left[r].is_some_and(|c| c <= seq));
+        if let Some(r) = gone {
+            let completed = s.left[r].unwrap_or(0);
+            s.cause.get_or_insert(r);
+            drop(s);
+            let c = Current { seq, op };
+            return Err(self.fail(format!(
+                "rank {r} left the run after {completed} collectives, so rank {} cannot start \
+                 {c}; every rank must make the same collective calls in the same order",
+                self.rank
+            )));
+        }
+        s.current = Some(Current { seq, op });
+        Ok(seq)
+    }
+
+    /// Marks the end of the current collective.
+    pub fn leave_op(&self) {
+        let mut s = self.state.borrow_mut();
+        s.current = None;
+        s.done += 1;
+    }
+
+    /// Records a failure found outside the watch (a desync check), tells the peers and returns
+    /// the error.
+    pub fn fail(&self, msg: String) -> Error {
+        self.mark_failed(msg.clone());
+        Error::Comm(msg)
+    }
+
+    /// Waits for `req` to complete, polling the control channel, until the deadline.
+    ///
+    /// On an error the request is left to MPI: the caller must leak the buffers it uses
+    /// (`std::mem::forget`), since MPI may still write into them.
+    pub fn wait<'a, D: ?Sized, S: Scope<'a>>(&self, req: Request<'a, D, S>) -> Result<()> {
+        let mut slot = Some(req);
+        let result = self.wait_until(|| match slot.take() {
+            Some(r) => match r.test() {
+                Ok(_) => true,
+                Err(r) => {
+                    slot = Some(r);
+                    false
+                }
+            },
+            None => true,
+        });
+        if let Some(r) = slot {
+            // SAFETY: the request stays active inside MPI; the caller leaks its buffers so they
+            // outlive it, and this job makes no further MPI calls that could complete it.
+            unsafe {
+                let _ = r.into_raw();
+            }
+        }
+        result
+    }
+
+    fn wait_until(&self, mut done: impl FnMut() -> bool) -> Result<()> {
+        let start = Instant::now();
+        let mut nap = Duration::from_micros(20);
+        loop {
+            if done() {
+                return Ok(());
+            }
+            let current = self.state.borrow().current;
+            self.poll(current)?;
+            let waited = start.elapsed();
+            if waited >= self.timeout {
+                return Err(self.timed_out(current, waited));
+            }
+            if waited < SPIN {
+                std::thread::yield_now();
+            } else {
+                // Progress only happens inside MPI calls, so the nap stays short; it keeps a
+                // long wait (a peer saving a checkpoint) from burning a core.
+                std::thread::sleep(nap);
+                nap = (nap * 2).min(MAX_NAP);
+            }
+        }
+    }
+
+    /// Reads every pending control message; fails if one means `current` can never complete.
+    fn poll(&self, current: Option<Current>) -> Result<()> {
+        while let Some((from, msg)) = self.receive() {
+            self.handle(from, msg, current)?;
+        }
+        match (&self.state.borrow().failed, current) {
+            (Some(msg), Some(_)) => Err(Error::Comm(msg.clone())),
+            _ => Ok(()),
+        }
+    }
+
+    fn handle(&self, from: usize, msg: [u64; 4], current: Option<Current>) -> Result<()> {
+        match Kind::from_code(msg[0]) {
+            Some(Kind::Leave) => {
+                let completed = msg[1];
+                self.state.borrow_mut().left[from] = Some(completed);
+                if let Some(c) = current.filter(|c| completed <= c.seq) {
+                    self.state.borrow_mut().cause.get_or_insert(from);
+                    let m = format!(
+                        "rank {from} left the run after {completed} collectives (its program \
+                         ended, returned an error, or skipped a call) while rank {} waits in {c}; \
+                         every rank must make the same collective calls in the same order",
+                        self.rank
+                    );
+                    return Err(self.fail(m));
+                }
+            }
+            Some(Kind::Abort) => {
+                let mut s = self.state.borrow_mut();
+                s.left[from] = Some(msg[1]);
+                // The rank whose failure started it all: the sender, or the peer it names.
+                let culprit = msg[2].checked_sub(1).map_or(from, |c| c as usize);
+                if culprit != self.rank {
+                    s.cause.get_or_insert(culprit);
+                }
+                if s.failed.is_none() {
+                    let at =
+                        current.map_or_else(String::new, |c| format!(" while it waits in {c}"));
+                    s.failed = Some(format!(
+                        "rank {from} failed (its error is reported by that rank), so rank {} \
+                         stops{at}",
+                        self.rank
+                    ));
+                    // The peer that failed told everyone; no need to repeat it.
+                    s.abort_sent = true;
+                }
+            }
+            Some(Kind::Where) => {
+                let (seq, kind, count) = match self.state.borrow().current {
+                    Some(c) => (c.seq + 1, c.op.kind as u64, c.op.count),
+                    None => (0, 0, self.state.borrow().done),
+                };
+                self.send(from, [Kind::Here as u64, seq, kind, count]);
+            }
+            // An answer that came after its inquiry ended.
+            Some(Kind::Here) | None => {}
+        }
+        Ok(())
+    }
+
+    /// The next control message, if one has arrived.
+    fn receive(&self) -> Option<(usize, [u64; 4])> {
+        let (msg, status) = self
+            .ctrl
+            .any_process()
+            .immediate_matched_probe_with_tag(TAG)?;
+        let mut buf = [0u64; 4];
+        msg.matched_receive_into(&mut buf[..]);
+        Some((status.source_rank() as usize, buf))
+    }
+
+    /// Sends a control message without waiting for the peer (which may be stopped).
+    fn send(&self, to: usize, msg: [u64; 4]) {
+        // The buffer must outlive a send nobody waits for: a few bytes per message, and
+        // control messages are rare (the end of the run, a failure).
+        let buf: &'static [u64; 4] = Box::leak(Box::new(msg));
+        let req = self
+            .ctrl
+            .process_at_rank(to as i32)
+            .immediate_send_with_tag(StaticScope, &buf[..], TAG);
+        // SAFETY: a freed send request still completes inside MPI; its buffer is 'static.
+        unsafe {
+            let (mut raw, _, _) = req.into_raw();
+            ffi::MPI_Request_free(&mut raw);
+        }
+    }
+
+    fn peers(&self) -> impl Iterator<Item = usize> + '_ {
+        (0..self.size).filter(move |&r| r != self.rank)
+    }
+
+    fn mark_failed(&self, msg: String) {
+        let send_abort = {
+            let mut s = self.state.borrow_mut();
+            if s.failed.is_none() {
+                s.failed = Some(msg);
+            }
+            !std::mem::replace(&mut s.abort_sent, true)
+        };
+        if send_abort {
+            self.abort_peers();
+        }
+    }
+
+    fn abort_peers(&self) {
+        // Ranks that said goodbye are told too: they wait for everyone's goodbye at the end.
+        // The message names the rank that started the failure (this one, unless it stopped
+        // for a peer), so that rank knows it is the one to blame.
+        let (done, culprit) = {
+            let s = self.state.borrow();
+            (s.done, s.cause.unwrap_or(self.rank))
+        };
+        for r in self.peers() {
+            self.send(r, [Kind::Abort as u64, done, culprit as u64 + 1, 0]);
+        }
+    }
+
+    /// Asks the peers where they are and builds the timeout error from their answers.
+    fn timed_out(&self, current: Option<Current>, waited: Duration) -> Error {
+        let what = current.map_or_else(|| "the end of the run".to_string(), |c| c.to_string());
+        let gone: Vec<Option<u64>> = self.state.borrow().left.clone();
+        let asked: Vec<usize> = self.peers().filter(|&r| gone[r].is_none()).collect();
+        for &r in &asked {
+            self.send(r, [Kind::Where as u64, 0, 0, 0]);
+        }
+        let mut answers: Vec<Option<[u64; 4]>> = vec![None; self.size];
+        let start = Instant::now();
+        while start.elapsed() < INQUIRY && asked.iter().any(|&r| answers[r].is_none()) {
+            while let Some((from, msg)) = self.receive() {
+                if msg[0] == Kind::Here as u64 {
+                    answers[from] = Some(msg);
+                } else {
+                    // Another rank's inquiry or goodbye: answer it, but this wait is over.
+                    let _ = self.handle(from, msg, None);
+                }
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let mut missing = Vec::new();
+        let mut elsewhere = Vec::new();
+        for r in self.peers() {
+            if let Some(done) = gone[r] {
+                elsewhere.push(format!("rank {r} left after {done} collectives"));
+                continue;
+            }
+            match answers[r] {
+                None => missing.push(r),
+                Some([_, 0, _, done]) => {
+                    elsewhere.push(format!(
+                        "rank {r} is outside any collective after {done} (computing, or stuck)"
+                    ));
+                    missing.push(r);
+                }
+                Some([_, seq, kind, count]) => {
+                    let same =
+                        current.is_some_and(|c| c.seq + 1 == seq && c.op.kind as u64 == kind);
+                    if !same {
+                        let op = OpKind::from_code(kind).map(|k| Op {
+                            kind: k,
+                            count,
+                            root: 0,
+                            position: 0,
+                        });
+                        let op = op.map_or_else(|| "an unknown call".into(), |o| o.to_string());
+                        elsewhere.push(format!("rank {r} waits in collective #{seq} ({op})"));
+                        missing.push(r);
+                    }
+                }
+            }
+        }
+        let missing = if missing.is_empty() {
+            "every rank answered".to_string()
+        } else {
+            format!(
+                "not arrived: {}",
+                missing
+                    .iter()
+                    .map(|r| format!("rank {r}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )
+        };
+        let detail = if elsewhere.is_empty() {
+            " (no answer: stopped, deadlocked, or busy outside ivme's collectives)".to_string()
+        } else {
+            format!("; {}", elsewhere.join("; "))
+        };
+        let msg = format!(
+            "{what} timed out on rank {} after {:.1} s; {missing}{detail}. Raise the limit with \
+             `collective_timeout` (builder or attribute), `ivme launch --collective_timeout` or \
+             IVME_COLLECTIVE_TIMEOUT if a rank legitimately takes this long",
+            self.rank,
+            waited.as_secs_f64()
+        );
+        self.fail(msg)
+    }
+
+    /// Ends a failed run. A rank that stopped only because a peer failed gives that peer a
+    /// moment to print its error and exit first (then the launcher ends this rank, and the
+    /// peer's message is the one the user reads).
+    fn failed_end(&self) -> Ending {
+        self.record_cause();
+        if self.state.borrow().cause.is_some() {
+            std::thread::sleep(LINGER);
+        }
+        Ending::Failed
+    }
+
+    /// Tells the launcher (through the status folder its rank wrapper names) that this rank
+    /// failed only because a peer did, so the summary names the peer as the one that failed.
+    fn record_cause(&self) {
+        let Some(peer) = self.state.borrow().cause else {
+            return;
+        };
+        if let Some(dir) = std::env::var_os(STATUS_DIR_VAR).filter(|d| !d.is_empty()) {
+            let file = std::path::Path::new(&dir).join(format!("cause-{}", self.rank));
+            let _ = std::fs::write(file, format!("{peer}\n"));
+        }
+    }
+
+    /// Ends this rank's part of the run: says goodbye and, unless something failed, waits for
+    /// every peer's goodbye so that finalizing MPI cannot block on a peer still in a collective.
+    pub fn finish(&self, panicking: bool) -> Ending {
+        if panicking {
+            self.mark_failed(format!("rank {} panicked", self.rank));
+        }
+        if self.state.borrow().failed.is_some() {
+            return self.failed_end();
+        }
+        let done = self.state.borrow().done;
+        for r in self.peers() {
+            self.send(r, [Kind::Leave as u64, done, 0, 0]);
+        }
+        let start = Instant::now();
+        loop {
+            while let Some((from, msg)) = self.receive() {
+                let _ = self.handle(from, msg, None);
+            }
+            let s = self.state.borrow();
+            if s.failed.is_some() {
+                drop(s);
+                return self.failed_end();
+            }
+            let waiting: Vec<usize> = self.peers().filter(|&r| s.left[r].is_none()).collect();
+            if waiting.is_empty() {
+                return Ending::Clean;
+            }
+            if start.elapsed() >= self.timeout {
+                eprintln!(
+                    "ivme: rank {} waited {:.0} s at the end of the run for rank(s) {waiting:?} \
+                     to finish; leaving without them",
+                    self.rank,
+                    self.timeout.as_secs_f64()
+                );
+                return Ending::Failed;
+            }
+            drop(s);
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+}
