@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Installs what ivme needs on a fresh Debian machine: Open MPI (the CPU multi-process
-# engine), libclang (the `mpi` crate generates its bindings with it) and Python's
-# safetensors/tensorboard packages (interop tests read and write their files).
+# engine), libclang (the `mpi` crate generates its bindings with it), iproute2 (`ss`: the
+# restart tests check which sockets a job listens on) and Python's safetensors/tensorboard
+# packages (interop tests read and write their files).
 set -euo pipefail
 SUDO=""
 if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 need=()
-for pkg in openmpi-bin libopenmpi-dev libclang-dev pkg-config; do
+for pkg in openmpi-bin libopenmpi-dev libclang-dev pkg-config iproute2; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
 done
 if [ ${#need[@]} -gt 0 ]; then

@@ -313,7 +313,7 @@ fn dry_run_shows_flags_overriding_the_file_and_each_source() {
     let cfg = dir.join("ivme.toml");
     std::fs::write(
         &cfg,
-        "version = 1\nnum_processes = 2\nmixed_precision = \"fp16\"\ncpu = true\n",
+        "version = 1\nnum_processes = 2\nmixed_precision = \"fp16\"\ncpu = true\nmax_restarts = 2\n",
     )
     .unwrap();
     let c = cfg.to_str().unwrap();
@@ -325,11 +325,13 @@ fn dry_run_shows_flags_overriding_the_file_and_each_source() {
             "--dry_run",
             "--mixed_precision",
             "bf16",
+            "--debug_sync",
             "sh",
             "-c",
             "true",
         ])
         .env("IVME_GRAD_ACCUM", "5")
+        .env("IVME_COLLECTIVE_TIMEOUT", "1.5m")
         .output()
         .unwrap();
     let report = ok(&out);
@@ -353,6 +355,21 @@ fn dry_run_shows_flags_overriding_the_file_and_each_source() {
         setting_line(&report, "machine_rank").ends_with("(default)"),
         "{report}"
     );
+    let line = setting_line(&report, "max_restarts");
+    assert!(
+        line.contains("= 2") && line.ends_with(&format!("(config file {c})")),
+        "{line}"
+    );
+    let line = setting_line(&report, "collective_timeout");
+    assert!(
+        line.contains("= 90s") && line.ends_with("(environment IVME_COLLECTIVE_TIMEOUT)"),
+        "{line}"
+    );
+    let line = setting_line(&report, "debug_sync");
+    assert!(
+        line.contains("= true") && line.ends_with("(flag --debug_sync)"),
+        "{line}"
+    );
     assert!(
         report.contains(&format!("# config file: {c} (from --config_file)")),
         "{report}"
@@ -362,12 +379,22 @@ fn dry_run_shows_flags_overriding_the_file_and_each_source() {
         lines.contains(&"IVME_PRECISION=bf16") && lines.contains(&"IVME_CPU=1"),
         "{report}"
     );
-    // One machine: the ranks are kept on loopback.
+    // The collective deadline reaches the ranks in seconds; each attempt is counted from 0.
+    for var in [
+        "IVME_COLLECTIVE_TIMEOUT=90",
+        "IVME_DEBUG_SYNC=1",
+        "IVME_RESTART_COUNT=0",
+    ] {
+        assert!(lines.contains(&var), "no {var} in\n{report}");
+    }
+    // One machine: the ranks use shared memory only, mpirun's channel advertises loopback.
     let command = lines.last().unwrap();
     assert!(
-        command.contains("--mca btl_tcp_if_include 127.0.0.1/8"),
+        command.contains("--mca btl self,")
+            && command.contains("--mca oob_tcp_if_include 127.0.0.1/8"),
         "{command}"
     );
+    assert!(!command.contains("btl_tcp"), "{command}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

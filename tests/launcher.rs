@@ -66,6 +66,9 @@ fn every_rank_receives_the_settings() {
             "2",
             "--mixed_precision",
             "bf16",
+            "--collective_timeout",
+            "2m",
+            "--debug_sync",
             prog.to_str().unwrap(),
         ],
         &[("WHOAMI_SHOW_ENV", "1")],
@@ -82,6 +85,9 @@ fn every_rank_receives_the_settings() {
             "IVME_GRAD_ACCUM=2",
             "IVME_PRECISION=bf16",
             "IVME_LAUNCHER=ivme",
+            "IVME_COLLECTIVE_TIMEOUT=120",
+            "IVME_DEBUG_SYNC=1",
+            "IVME_RESTART_COUNT=0",
             threads.as_str(),
         ] {
             let line = format!("rank {rank}: {var}");
@@ -247,8 +253,18 @@ fn help_lists_the_flags() {
         "--hostfile",
         "--mixed_precision",
         "--dry_run",
+        "--max_restarts",
+        "--collective_timeout",
+        "--debug_sync",
     ] {
         assert!(stdout.contains(flag), "{flag} missing from\n{stdout}");
+    }
+    for var in [
+        "IVME_RESTART_COUNT",
+        "IVME_COLLECTIVE_TIMEOUT",
+        "IVME_DEBUG_SYNC",
+    ] {
+        assert!(stdout.contains(var), "{var} missing from\n{stdout}");
     }
 }
 

@@ -94,9 +94,9 @@ impl MpiComm {
         )))
     }
 
-    fn all_reduce_vec<T: Equivalence>(&self, send: Vec<T>, op: ReduceOp) -> Result<Vec<T>>
+    fn all_reduce_vec<T>(&self, send: Vec<T>, op: ReduceOp) -> Result<Vec<T>>
     where
-        T: Clone + Default,
+        T: Equivalence + Clone + Default,
     {
         let mut recv = vec![T::default(); send.len()];
         let op = Self::op(op);

@@ -2,8 +2,10 @@
 //!
 //! The plan (what to run, how, with which environment) comes from [`crate::plan`], with what the
 //! flags leave unset taken from the config file ([`crate::settings`]); this module runs it, then
-//! reads which ranks failed and picks the exit code.
+//! reads which ranks failed and picks the exit code. With `--max_restarts N` a failed job is
+//! run again, whole, up to N times; a stop the user asked for (Ctrl-C, SIGTERM) never is.
 
+use crate::faults;
 use crate::machines;
 use crate::mpirun::{Flavor, Mpirun};
 use crate::plan::{usage, Context, Invocation, LaunchArgs, LaunchPlan, Machine, Parsed};
@@ -79,16 +81,17 @@ pub fn main(words: &[String]) -> Result<i32> {
             m.path.display()
         );
     }
-    let ctx = Context {
+    let mut ctx = Context {
         machine: Machine::this(),
         inherited,
         mpirun,
         ivme_exe: std::env::current_exe()
             .map_err(|e| Error::io("finding the ivme executable", e))?,
         status_dir: fresh_status_dir(),
+        restart: 0,
     };
-    let inv = plan.invocation(&ctx)?;
     if plan.dry_run {
+        let inv = plan.invocation(&ctx)?;
         let config_line = match &config {
             Some(_) => format!(
                 "# config file: {} (from {})\n",
@@ -107,6 +110,42 @@ pub fn main(words: &[String]) -> Result<i32> {
         );
         return Ok(0);
     }
+    loop {
+        let inv = plan.invocation(&ctx)?;
+        let (code, cause) = match run_once(&inv)? {
+            Ended::Done(code) => return Ok(code),
+            Ended::Failed(code, cause) => (code, cause),
+        };
+        // Ctrl-C or SIGTERM while the launcher waited between attempts: stop here too.
+        if let Some(sig) = process::stopped_by() {
+            eprintln!("ivme: stopped by signal {sig}; not restarting");
+            return Ok(128 + sig);
+        }
+        if ctx.restart >= plan.max_restarts {
+            if plan.max_restarts > 0 {
+                eprintln!("{}", faults::exhausted_line(plan.max_restarts, &cause));
+            }
+            return Ok(code);
+        }
+        ctx.restart += 1;
+        ctx.status_dir = fresh_status_dir();
+        eprintln!(
+            "{}",
+            faults::restart_line(ctx.restart, plan.max_restarts, &cause)
+        );
+    }
+}
+
+/// How one attempt at the job ended.
+enum Ended {
+    /// Success, or a stop the user asked for: the launcher exits with this code.
+    Done(i32),
+    /// A failure that a restart may get past: the exit code and what failed, for messages.
+    Failed(i32, String),
+}
+
+/// Runs the job once, in a fresh status folder, and reports how it went.
+fn run_once(inv: &Invocation) -> Result<Ended> {
     let _cleanup = inv.status_dir.clone().map(StatusDir);
     if let Some(dir) = &inv.status_dir {
         std::fs::create_dir_all(dir)
@@ -116,11 +155,11 @@ pub fn main(words: &[String]) -> Result<i32> {
     cmd.args(&inv.argv[1..]).envs(inv.env.iter().cloned());
     let outcome = process::supervise(&mut cmd)
         .map_err(|e| Error::io(format!("starting `{}`", inv.argv[0]), e))?;
-    report(&inv, outcome)
+    report(inv, outcome)
 }
 
 /// Tells the user which rank failed and picks the launcher's exit code.
-fn report(inv: &Invocation, outcome: Outcome) -> Result<i32> {
+fn report(inv: &Invocation, outcome: Outcome) -> Result<Ended> {
     if let Some(sig) = process::stopped_by().filter(|_| outcome.code != 0) {
         let what = if sig == 2 {
             "Ctrl-C"
@@ -128,23 +167,29 @@ fn report(inv: &Invocation, outcome: Outcome) -> Result<i32> {
             "a termination signal"
         };
         eprintln!("ivme: stopped by {what} (signal {sig}); the program was stopped too");
-        return Ok(128 + sig);
+        return Ok(Ended::Done(128 + sig));
     }
     let Some(dir) = &inv.status_dir else {
-        if outcome.code != 0 {
-            eprintln!("ivme: the program failed with {}", outcome.describe());
+        if outcome.code == 0 {
+            return Ok(Ended::Done(0));
         }
-        return Ok(outcome.code);
+        eprintln!("ivme: the program failed with {}", outcome.describe());
+        let cause = format!("the program failed with {}", outcome.describe());
+        return Ok(Ended::Failed(outcome.code, cause));
     };
-    if let Some((msg, code)) = rank::summarize(&Failure::read_all(dir)?) {
+    let failures = Failure::read_all(dir)?;
+    if let Some((msg, code)) = rank::summarize(&failures) {
         eprintln!("{msg}");
-        return Ok(if code != 0 { code } else { 1 });
+        let code = if code != 0 { code } else { 1 };
+        return Ok(Ended::Failed(code, failures[0].describe()));
     }
-    if outcome.code != 0 {
-        eprintln!(
-            "ivme: mpirun failed with {} before any rank reported a failure; its messages are above",
-            outcome.describe()
-        );
+    if outcome.code == 0 {
+        return Ok(Ended::Done(0));
     }
-    Ok(outcome.code)
+    eprintln!(
+        "ivme: mpirun failed with {} before any rank reported a failure; its messages are above",
+        outcome.describe()
+    );
+    let cause = format!("mpirun failed with {}", outcome.describe());
+    Ok(Ended::Failed(outcome.code, cause))
 }

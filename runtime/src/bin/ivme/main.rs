@@ -6,7 +6,9 @@
 mod args;
 mod config_cmd;
 mod env_cmd;
+mod faults;
 mod hosts;
+mod invocation;
 mod launch;
 mod machines;
 mod mpirun;

@@ -52,6 +52,19 @@ pub struct Mpirun {
     pub path: PathBuf,
     /// Its implementation.
     pub flavor: Flavor,
+    /// The major version `mpirun --version` printed (4 for Open MPI 4.1.4), when it printed one.
+    pub major: Option<u32>,
+}
+
+/// The major version in the output of `mpirun --version`: the first word shaped like `4.1.4`.
+pub fn version_major(text: &str) -> Option<u32> {
+    text.split(|c: char| c.is_whitespace() || c == ',' || c == '(' || c == ')')
+        .filter(|w| w.contains('.'))
+        .find_map(|w| {
+            let (major, rest) = w.trim_start_matches(['v', 'V']).split_once('.')?;
+            let minor_digit = rest.chars().next().is_some_and(|c| c.is_ascii_digit());
+            major.parse().ok().filter(|_| minor_digit)
+        })
 }
 
 const INSTALL_HINT: &str = "install Open MPI (`apt-get install openmpi-bin libopenmpi-dev`, or \
@@ -83,12 +96,25 @@ impl Mpirun {
         Ok(Mpirun {
             path,
             flavor: Flavor::from_version(&text),
+            major: version_major(&text),
         })
     }
 }
 
 /// The loopback network, as Open MPI's `*_if_include` parameters take it.
 const LOOPBACK: &str = "127.0.0.1/8";
+
+impl Mpirun {
+    /// The byte transfer layers for ranks that all share this machine: shared memory and the
+    /// loopback to self, never TCP (whose listener binds every address). Open MPI 5 renamed
+    /// the shared-memory one from `vader` to `sm`.
+    pub fn local_transports(&self) -> &'static str {
+        match self.major {
+            Some(m) if m >= 5 => "self,sm",
+            _ => "self,vader",
+        }
+    }
+}
 
 /// What the mpirun command line depends on besides the plan itself.
 #[derive(Debug, Clone)]
@@ -125,12 +151,17 @@ pub fn command_line(mpirun: &Mpirun, job: &MpiJob<'_>) -> Vec<String> {
             push(&["--bind-to", "none"]);
             match job.hosts {
                 Some(h) => push(&["--host", h]),
-                // One machine needs no network: keep both the runtime's and MPI's own TCP
-                // traffic on loopback (a CIDR, since the interface's name differs by system).
+                // One machine needs no network. The ranks move bytes through shared memory
+                // only (ob1 with the self and shared-memory transports: UCX, libfabric and
+                // TCP would each open network endpoints), and mpirun's own channel to them
+                // advertises loopback only (a CIDR, since the interface's name differs).
                 None => push(&[
                     "--mca",
-                    "btl_tcp_if_include",
-                    LOOPBACK,
+                    "pml",
+                    "ob1",
+                    "--mca",
+                    "btl",
+                    mpirun.local_transports(),
                     "--mca",
                     "oob_tcp_if_include",
                     LOOPBACK,
@@ -183,6 +214,7 @@ mod tests {
         Mpirun {
             path: PathBuf::from("/usr/bin/mpirun"),
             flavor,
+            major: Some(4),
         }
     }
 
@@ -206,6 +238,46 @@ mod tests {
     }
 
     #[test]
+    fn the_major_version_is_read_from_the_version_text() {
+        let major = |t: &str| version_major(t);
+        assert_eq!(
+            major("mpirun (Open MPI) 4.1.4\n\nReport bugs to http://www.open-mpi.org/"),
+            Some(4)
+        );
+        assert_eq!(major("mpirun (Open MPI) 5.0.3"), Some(5));
+        assert_eq!(
+            major("HYDRA build details:\n    Version:                                 4.0.2"),
+            Some(4)
+        );
+        assert_eq!(major("mpirun (Open MPI) v5.1.0a1"), Some(5));
+        assert_eq!(major("no version here."), None);
+    }
+
+    #[test]
+    fn one_machine_uses_shared_memory_named_for_the_version() {
+        let env = vec![];
+        let cmd = vec!["prog".to_string()];
+        let mut m = mpirun(Flavor::OpenMpi);
+        let line = command_line(&m, &job(&env, &cmd)).join(" ");
+        assert!(
+            line.contains(
+                "--mca pml ob1 --mca btl self,vader --mca oob_tcp_if_include 127.0.0.1/8"
+            ),
+            "{line}"
+        );
+        assert!(
+            !line.contains("tcp,") && !line.contains("btl_tcp"),
+            "{line}"
+        );
+        m.major = Some(5);
+        let line = command_line(&m, &job(&env, &cmd)).join(" ");
+        assert!(line.contains("--mca btl self,sm "), "{line}");
+        // An unknown version keeps the name Open MPI 4 and earlier use.
+        m.major = None;
+        assert_eq!(m.local_transports(), "self,vader");
+    }
+
+    #[test]
     fn open_mpi_gets_its_own_flags_and_forwards_each_variable() {
         let env = vec![("IVME_CPU".to_string(), "1".to_string())];
         let cmd = vec!["ivme".to_string(), "__rank".to_string()];
@@ -213,7 +285,7 @@ mod tests {
         assert_eq!(
             argv.join(" "),
             "/usr/bin/mpirun --allow-run-as-root --oversubscribe --bind-to none \
-             --mca btl_tcp_if_include 127.0.0.1/8 --mca oob_tcp_if_include 127.0.0.1/8 -np 4 \
+             --mca pml ob1 --mca btl self,vader --mca oob_tcp_if_include 127.0.0.1/8 -np 4 \
              -x IVME_CPU ivme __rank"
         );
         let mut j = job(&env, &cmd);
@@ -227,7 +299,7 @@ mod tests {
         );
         assert!(line.contains("--host n1:2,n2:2 -np 4"), "{line}");
         assert!(
-            !line.contains("127.0.0.1"),
+            !line.contains("127.0.0.1") && !line.contains("btl") && !line.contains("pml"),
             "several machines need the network: {line}"
         );
     }

@@ -6,7 +6,9 @@
 //! unset; nothing here starts a process, so all of it is tested without one.
 
 use crate::args::{self, Flag, Kind};
+use crate::faults::{self, COLLECTIVE_TIMEOUT_VAR, DEBUG_SYNC_VAR, RESTART_COUNT_VAR};
 use crate::hosts::Hosts;
+pub use crate::invocation::Invocation;
 use crate::launch::COMMAND;
 use crate::mpirun::{self, MpiJob, Mpirun};
 use crate::process;
@@ -14,6 +16,7 @@ use crate::rank;
 use crate::sources::{self, Origin};
 use ivme::{Error, Precision, Result};
 use std::path::PathBuf;
+use std::time::Duration;
 
 const NUM_PROCESSES: Flag = Flag {
     name: "num_processes",
@@ -77,6 +80,9 @@ pub const FLAGS: &[Flag] = &[
         example: "10.0.0.1",
     },
     MAIN_PORT,
+    faults::MAX_RESTARTS,
+    faults::COLLECTIVE_TIMEOUT,
+    faults::DEBUG_SYNC,
     Flag {
         name: "config_file",
         kind: Kind::Value("file"),
@@ -100,12 +106,17 @@ pub fn usage() -> String {
          \nEverything after PROGRAM is passed to it unchanged. Each rank sees IVME_NUM_PROCESSES,\n\
          IVME_LAUNCHER=ivme, RAYON_NUM_THREADS (cores shared between the ranks on a machine, unless\n\
          already set) and the variables of the settings given. Set {} to use a particular mpirun.\n\
-         \nSettings come from flags, then IVME_PRECISION / IVME_GRAD_ACCUM / IVME_CPU already in the\n\
-         environment, then the config file (`ivme config`), then the defaults.\n\
+         \nSettings come from flags, then IVME_PRECISION / IVME_GRAD_ACCUM / IVME_CPU /\n\
+         IVME_COLLECTIVE_TIMEOUT / IVME_DEBUG_SYNC already in the environment, then the config\n\
+         file (`ivme config`), then the defaults.\n\
          \nSeveral machines: run `ivme launch` on machine 0 only; mpirun starts every machine's\n\
          ranks over ssh, so each machine needs the program at the same path. The machines come from\n\
          --hostfile (`node1 slots=4` per line) or the config's `hosts` list with --num_machines.\n\
-         One machine: the ranks talk over loopback only.\n",
+         One machine: the ranks talk through shared memory, and mpirun to them over loopback.\n\
+         \nWhen a rank fails, the job ends; with --max_restarts N it is started again, up to N\n\
+         times (never after Ctrl-C), and each rank sees IVME_RESTART_COUNT (0 at first), so a\n\
+         program that calls `load_state_if_any` right after preparing continues from its newest\n\
+         checkpoint.\n",
         args::help_table(FLAGS),
         mpirun::MPIRUN_VAR
     )
@@ -134,6 +145,12 @@ pub struct LaunchArgs {
     pub main_process_port: Option<u16>,
     /// The machines' addresses (the config's `hosts`; no flag).
     pub hosts: Option<Vec<String>>,
+    /// `--max_restarts`.
+    pub max_restarts: Option<usize>,
+    /// `--collective_timeout`.
+    pub collective_timeout: Option<Duration>,
+    /// `--debug_sync`.
+    pub debug_sync: Option<bool>,
     /// `--config_file`.
     pub config_file: Option<PathBuf>,
     /// `--dry_run`.
@@ -195,6 +212,9 @@ impl LaunchArgs {
             main_process_ip: s.value("main_process_ip").map(str::to_string),
             main_process_port,
             hosts: None,
+            max_restarts: faults::max_restarts(&s)?,
+            collective_timeout: faults::collective_timeout(&s)?,
+            debug_sync: args::switch(&s, faults::DEBUG_SYNC.name)?,
             config_file: s.value("config_file").map(PathBuf::from),
             dry_run: args::switch(&s, "dry_run")?.unwrap_or(false),
             program: rest.next(),
@@ -226,6 +246,12 @@ pub struct LaunchPlan {
     pub precision: Option<Precision>,
     /// Micro-batches per optimizer step, when given.
     pub grad_accum: Option<usize>,
+    /// How many times a failed job is started again.
+    pub max_restarts: usize,
+    /// The deadline of every collective, when given.
+    pub collective_timeout: Option<Duration>,
+    /// Whether the ranks check that they call the same collectives.
+    pub debug_sync: bool,
     /// The program's absolute path.
     pub program: PathBuf,
     /// The program's arguments.
@@ -257,6 +283,9 @@ impl LaunchPlan {
             origins: Vec::new(),
             precision: args.mixed_precision,
             grad_accum: args.gradient_accumulation_steps,
+            max_restarts: args.max_restarts.unwrap_or(0),
+            collective_timeout: args.collective_timeout,
+            debug_sync: args.debug_sync.unwrap_or(false),
             program: process::find_executable(&program, path_var)?,
             program_args: args.program_args,
             dry_run: args.dry_run,
@@ -294,13 +323,20 @@ impl LaunchPlan {
             .map_or(self.num_processes, |h| h.busiest(self.num_processes))
     }
 
-    /// The variables every rank sees: ivme's settings, plus `IVME_*` and `RAYON_NUM_THREADS`
-    /// already in the launcher's environment (`inherited`), with the flags winning.
-    pub fn env(&self, machine: &Machine, inherited: &[(String, String)]) -> Vec<(String, String)> {
+    /// The variables every rank of attempt `restart` (0 for the first run) sees: ivme's
+    /// settings, plus `IVME_*` and `RAYON_NUM_THREADS` already in the launcher's environment
+    /// (`inherited`), with the flags winning.
+    pub fn env(
+        &self,
+        machine: &Machine,
+        restart: usize,
+        inherited: &[(String, String)],
+    ) -> Vec<(String, String)> {
         let user_rayon = inherited.iter().find(|(k, _)| k == RAYON_VAR);
         let mut ours: Vec<(String, String)> = vec![
             ("IVME_LAUNCHER".into(), "ivme".into()),
             ("IVME_NUM_PROCESSES".into(), self.num_processes.to_string()),
+            (RESTART_COUNT_VAR.into(), restart.to_string()),
         ];
         if self.cpu {
             ours.push(("IVME_CPU".into(), "1".into()));
@@ -320,6 +356,12 @@ impl LaunchPlan {
         if let Some(port) = self.main_process_port {
             ours.push(("IVME_MAIN_PROCESS_PORT".into(), port.to_string()));
         }
+        if let Some(t) = self.collective_timeout {
+            ours.push((COLLECTIVE_TIMEOUT_VAR.into(), faults::seconds_text(t)));
+        }
+        if self.debug_sync {
+            ours.push((DEBUG_SYNC_VAR.into(), "1".into()));
+        }
         if user_rayon.is_none() {
             let threads = (machine.cores / self.processes_per_machine()).max(1);
             ours.push((RAYON_VAR.into(), threads.to_string()));
@@ -337,7 +379,7 @@ impl LaunchPlan {
 
     /// The exact command and environment this plan runs.
     pub fn invocation(&self, ctx: &Context) -> Result<Invocation> {
-        let env = self.env(&ctx.machine, &ctx.inherited);
+        let env = self.env(&ctx.machine, ctx.restart, &ctx.inherited);
         if !self.uses_mpi() {
             let mut argv = vec![self.program.display().to_string()];
             argv.extend(self.program_args.iter().cloned());
@@ -417,45 +459,8 @@ pub struct Context {
     pub ivme_exe: PathBuf,
     /// Where ranks record failures.
     pub status_dir: PathBuf,
-}
-
-/// The command a plan runs, with its environment.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Invocation {
-    /// Program and arguments.
-    pub argv: Vec<String>,
-    /// Variables set for every rank.
-    pub env: Vec<(String, String)>,
-    /// How the ranks are started, for messages.
-    pub runner: String,
-    /// Where ranks record failures (mpirun launches only).
-    pub status_dir: Option<PathBuf>,
-}
-
-impl Invocation {
-    /// The `--dry_run` report: a header, the variables, then the command on one line.
-    ///
-    /// Every line but the variables and the command starts with `#`, so the report reads as a
-    /// shell script.
-    pub fn describe(&self, num_processes: usize) -> String {
-        let plural = if num_processes == 1 {
-            "process"
-        } else {
-            "processes"
-        };
-        let mut out = format!(
-            "# ivme launch --dry_run: {num_processes} {plural} {}; nothing was started\n\
-             # environment of every rank:\n",
-            self.runner
-        );
-        for (k, v) in &self.env {
-            out.push_str(&format!("{k}={}\n", process::shell_quote(v)));
-        }
-        out.push_str("# command:\n");
-        out.push_str(&process::shell_join(&self.argv));
-        out.push('\n');
-        out
-    }
+    /// Which attempt this is: 0 for the first run, 1 for the first restart.
+    pub restart: usize,
 }
 
 #[cfg(test)]

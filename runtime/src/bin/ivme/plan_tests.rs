@@ -29,9 +29,11 @@ fn ctx(machine: Machine, flavor: Flavor) -> Context {
         mpirun: Some(Mpirun {
             path: "/usr/bin/mpirun".into(),
             flavor,
+            major: Some(4),
         }),
         ivme_exe: "/opt/ivme".into(),
         status_dir: "/tmp/st".into(),
+        restart: 0,
     }
 }
 
@@ -164,7 +166,7 @@ fn environment_carries_the_settings_given() {
         slots: 4,
         root: false,
     };
-    let env = p.env(&machine, &[]);
+    let env = p.env(&machine, 0, &[]);
     assert_eq!(get(&env, "IVME_NUM_PROCESSES"), Some("3"));
     assert_eq!(get(&env, "IVME_CPU"), Some("1"));
     assert_eq!(get(&env, "IVME_PRECISION"), Some("fp16"));
@@ -174,7 +176,7 @@ fn environment_carries_the_settings_given() {
     assert_eq!(get(&env, "RAYON_NUM_THREADS"), Some("2"));
 
     let p = plan(&["--gradient_accumulation_steps", "4", "sh"]);
-    let env = p.env(&machine, &[]);
+    let env = p.env(&machine, 0, &[]);
     assert_eq!(get(&env, "IVME_GRAD_ACCUM"), Some("4"));
     assert_eq!(get(&env, "IVME_CPU"), None);
     assert_eq!(get(&env, "IVME_PRECISION"), None);
@@ -184,7 +186,7 @@ fn environment_carries_the_settings_given() {
 #[test]
 fn more_ranks_than_cores_still_get_one_thread() {
     let p = plan(&["--num_processes", "5", "sh"]);
-    let env = p.env(&TWO_CORES_ROOT, &[]);
+    let env = p.env(&TWO_CORES_ROOT, 0, &[]);
     assert_eq!(get(&env, "RAYON_NUM_THREADS"), Some("1"));
 }
 
@@ -198,7 +200,7 @@ fn the_users_own_variables_are_kept_and_flags_win() {
         ("IVME_MPIRUN".to_string(), "/opt/mpirun".to_string()),
         ("HOME".to_string(), "/root".to_string()),
     ];
-    let env = p.env(&TWO_CORES_ROOT, &inherited);
+    let env = p.env(&TWO_CORES_ROOT, 0, &inherited);
     assert_eq!(get(&env, "RAYON_NUM_THREADS"), Some("7"));
     assert_eq!(get(&env, "IVME_PRECISION"), Some("bf16"));
     assert_eq!(get(&env, "IVME_LOG"), Some("debug"));
@@ -223,8 +225,11 @@ fn open_mpi_ranks_run_under_the_wrapper_with_every_variable_forwarded() {
         "--bind-to",
         "none",
         "--mca",
-        "btl_tcp_if_include",
-        "127.0.0.1/8",
+        "pml",
+        "ob1",
+        "--mca",
+        "btl",
+        "self,vader",
         "--mca",
         "oob_tcp_if_include",
         "127.0.0.1/8",
@@ -234,6 +239,8 @@ fn open_mpi_ranks_run_under_the_wrapper_with_every_variable_forwarded() {
         "IVME_LAUNCHER",
         "-x",
         "IVME_NUM_PROCESSES",
+        "-x",
+        "IVME_RESTART_COUNT",
         "-x",
         "IVME_CPU",
         "-x",
@@ -322,4 +329,86 @@ fn dry_run_report_shows_the_variables_and_one_quoted_command_line() {
         "{text}"
     );
     assert!(command.ends_with(r#"-c 'echo '\''a b'\'''"#), "{text}");
+}
+
+#[test]
+fn fault_flags_are_read_in_either_spelling() {
+    let a = parse(&[
+        "--max-restarts",
+        "3",
+        "--collective-timeout=10m",
+        "--debug-sync",
+        "train",
+    ]);
+    assert_eq!(a.max_restarts, Some(3));
+    assert_eq!(a.collective_timeout, Some(Duration::from_secs(600)));
+    assert_eq!(a.debug_sync, Some(true));
+    let a = parse(&[
+        "--max_restarts",
+        "0",
+        "--collective_timeout",
+        "500ms",
+        "train",
+    ]);
+    assert_eq!(a.max_restarts, Some(0));
+    assert_eq!(a.collective_timeout, Some(Duration::from_millis(500)));
+    assert_eq!(a.debug_sync, None);
+    let msg = |w: &[&str]| LaunchArgs::parse(&words(w)).unwrap_err().to_string();
+    let m = msg(&["--collective_timeout", "-3s", "prog"]);
+    assert!(
+        m.contains("`--collective_timeout -3s` is not a duration") && m.contains("1h"),
+        "{m}"
+    );
+    let m = msg(&["--max_restarts", "many", "prog"]);
+    assert!(
+        m.contains("`--max_restarts many` is not a whole number"),
+        "{m}"
+    );
+    let m = msg(&["--max_restarts", "prog"]);
+    assert!(m.contains("--max_restarts"), "{m}");
+}
+
+#[test]
+fn fault_settings_reach_every_rank_and_each_attempt_is_counted() {
+    let p = plan(&[
+        "--num_processes",
+        "2",
+        "--max_restarts",
+        "2",
+        "--collective_timeout",
+        "1.5",
+        "--debug_sync",
+        "sh",
+    ]);
+    assert_eq!(p.max_restarts, 2);
+    let env = p.env(&TWO_CORES_ROOT, 0, &[]);
+    assert_eq!(get(&env, "IVME_COLLECTIVE_TIMEOUT"), Some("1.5"));
+    assert_eq!(get(&env, "IVME_DEBUG_SYNC"), Some("1"));
+    assert_eq!(get(&env, "IVME_RESTART_COUNT"), Some("0"));
+    // The launcher's own count wins over one inherited from an outer launch.
+    let inherited = vec![("IVME_RESTART_COUNT".to_string(), "7".to_string())];
+    let env = p.env(&TWO_CORES_ROOT, 2, &inherited);
+    assert_eq!(get(&env, "IVME_RESTART_COUNT"), Some("2"));
+    let mut c = ctx(TWO_CORES_ROOT, Flavor::OpenMpi);
+    c.restart = 1;
+    let inv = p.invocation(&c).unwrap();
+    assert_eq!(get(&inv.env, "IVME_RESTART_COUNT"), Some("1"));
+    let line = inv.argv.join(" ");
+    for var in [
+        "IVME_RESTART_COUNT",
+        "IVME_COLLECTIVE_TIMEOUT",
+        "IVME_DEBUG_SYNC",
+    ] {
+        assert!(line.contains(&format!("-x {var}")), "{line}");
+    }
+    let text = inv.describe(p.num_processes);
+    assert!(text.contains("\nIVME_COLLECTIVE_TIMEOUT=1.5\n"), "{text}");
+
+    let p = plan(&["sh"]);
+    assert_eq!(p.max_restarts, 0);
+    let env = p.env(&TWO_CORES_ROOT, 0, &[]);
+    assert_eq!(get(&env, "IVME_COLLECTIVE_TIMEOUT"), None);
+    assert_eq!(get(&env, "IVME_DEBUG_SYNC"), None);
+    // A single process, run directly, is counted too.
+    assert_eq!(get(&env, "IVME_RESTART_COUNT"), Some("0"));
 }

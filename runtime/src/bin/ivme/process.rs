@@ -235,6 +235,11 @@ pub fn supervise(cmd: &mut Command) -> std::io::Result<Outcome> {
                     libc::signal(sig, libc::SIG_IGN);
                 }
             }
+            // A stop asked for before the child existed (between a launcher's restarts)
+            // reaches it now.
+            if stopped_by().is_some() {
+                libc::kill(child.id() as i32, libc::SIGTERM);
+            }
         }
     }
     let status = child.wait();

@@ -16,6 +16,12 @@ pub const COMMAND: &str = "__rank";
 /// The flag that names the status folder.
 pub const STATUS_DIR_FLAG: &str = "--status-dir";
 
+/// The variable that names the status folder to the rank's runtime.
+const STATUS_DIR_VAR: &str = "IVME_STATUS_DIR";
+
+/// The status file in which a rank's runtime names the peer it stopped for: `cause-R`.
+const CAUSE_PREFIX: &str = "cause-";
+
 /// The code recorded when the program could not be started at all (the shell's convention).
 const CANNOT_START: i32 = 127;
 
@@ -28,6 +34,11 @@ pub struct Failure {
     pub code: i32,
     /// When it failed, in nanoseconds since the Unix epoch, to tell which rank failed first.
     pub at_nanos: u128,
+    /// The signal that killed the program, if one did.
+    pub signal: Option<i32>,
+    /// The peer whose failure made this rank stop, as the rank's runtime recorded it
+    /// (`cause-R` in the status folder): such a failure is a consequence, not a cause.
+    pub because_of: Option<usize>,
 }
 
 impl Failure {
@@ -38,7 +49,8 @@ impl Failure {
     /// Writes this failure into `dir`, creating the folder if needed.
     pub fn record(&self, dir: &Path) -> std::io::Result<()> {
         std::fs::create_dir_all(dir)?;
-        let text = format!("{} {}\n", self.code, self.at_nanos);
+        let signal = self.signal.unwrap_or(0);
+        let text = format!("{} {} {signal}\n", self.code, self.at_nanos);
         std::fs::write(dir.join(Self::file_name(self.rank)), text)
     }
 
@@ -62,14 +74,43 @@ impl Failure {
                 .next()
                 .and_then(|w| w.parse().ok())
                 .unwrap_or(u128::MAX);
+            let signal = words
+                .next()
+                .and_then(|w| w.parse().ok())
+                .filter(|&s: &i32| s > 0);
+            // The rank's runtime names the peer it stopped for, when it stopped for one.
+            let because_of = std::fs::read_to_string(dir.join(format!("{CAUSE_PREFIX}{rank}")))
+                .ok()
+                .and_then(|t| t.trim().parse().ok());
             failures.push(Failure {
                 rank,
                 code,
                 at_nanos,
+                signal,
+                because_of,
             });
         }
-        failures.sort_by_key(|f| (f.at_nanos, f.rank));
+        // Ranks that failed on their own come first: a rank that only stopped because a peer
+        // failed often exits before that peer has finished printing its error.
+        failures.sort_by_key(|f| (f.because_of.is_some(), f.at_nanos, f.rank));
         Ok(failures)
+    }
+
+    /// How the rank's program ended.
+    pub fn outcome(&self) -> Outcome {
+        Outcome {
+            code: self.code,
+            signal: self.signal,
+        }
+    }
+
+    /// Says how the rank ended: "rank 1 failed with exit code 137 (killed by signal 9)".
+    pub fn describe(&self) -> String {
+        format!(
+            "rank {} failed with {}",
+            self.rank,
+            self.outcome().describe()
+        )
     }
 }
 
@@ -77,13 +118,20 @@ impl Failure {
 pub fn summarize(failures: &[Failure]) -> Option<(String, i32)> {
     let first = failures.first()?;
     let mut msg = format!(
-        "ivme: rank {} failed first, with exit code {}",
-        first.rank, first.code
+        "ivme: rank {} failed first, with {}",
+        first.rank,
+        first.outcome().describe()
     );
     if failures.len() > 1 {
         let others: Vec<String> = failures[1..]
             .iter()
-            .map(|f| format!("rank {} (exit code {})", f.rank, f.code))
+            .map(|f| {
+                let why = f
+                    .because_of
+                    .map(|p| format!(" (it stopped because rank {p} failed)"))
+                    .unwrap_or_default();
+                format!("rank {} with {}{why}", f.rank, f.outcome().describe())
+            })
             .collect();
         msg.push_str(&format!("; after it: {}", others.join(", ")));
     }
@@ -130,7 +178,8 @@ pub fn main(args: &[String]) -> Result<i32> {
     let (status_dir, program, program_args) = parse(args)?;
     let rank = own_rank();
     let mut cmd = Command::new(&program);
-    cmd.args(&program_args);
+    // The runtime records there which peer's failure made this rank stop.
+    cmd.args(&program_args).env(STATUS_DIR_VAR, &status_dir);
     let outcome = match process::supervise(&mut cmd) {
         Ok(outcome) => outcome,
         Err(e) => {
@@ -151,6 +200,8 @@ pub fn main(args: &[String]) -> Result<i32> {
             rank,
             code: outcome.code,
             at_nanos,
+            signal: outcome.signal,
+            because_of: None,
         };
         if let Err(e) = failure.record(&status_dir) {
             eprintln!(
@@ -171,6 +222,34 @@ mod tests {
     }
 
     #[test]
+    fn a_rank_that_stopped_for_a_peer_is_not_named_first() {
+        let dir = temp_dir("cause");
+        let _ = std::fs::remove_dir_all(&dir);
+        for (rank, at_nanos) in [(0, 100), (1, 900)] {
+            Failure {
+                rank,
+                code: 1,
+                at_nanos,
+                signal: None,
+                because_of: None,
+            }
+            .record(&dir)
+            .unwrap();
+        }
+        // Rank 0 exited first, but only because rank 1 failed.
+        std::fs::write(dir.join("cause-0"), "1\n").unwrap();
+        let got = Failure::read_all(&dir).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(got.iter().map(|f| f.rank).collect::<Vec<_>>(), [1, 0]);
+        let (msg, _) = summarize(&got).unwrap();
+        assert!(msg.contains("rank 1 failed first"), "{msg}");
+        assert!(
+            msg.contains("rank 0 with exit code 1 (it stopped because rank 1 failed)"),
+            "{msg}"
+        );
+    }
+
+    #[test]
     fn failures_are_read_back_earliest_first() {
         let dir = temp_dir("order");
         let _ = std::fs::remove_dir_all(&dir);
@@ -178,6 +257,8 @@ mod tests {
             rank: 2,
             code: 143,
             at_nanos: 500,
+            signal: Some(15),
+            because_of: None,
         }
         .record(&dir)
         .unwrap();
@@ -185,6 +266,8 @@ mod tests {
             rank: 1,
             code: 3,
             at_nanos: 100,
+            signal: None,
+            because_of: None,
         }
         .record(&dir)
         .unwrap();
@@ -201,7 +284,15 @@ mod tests {
             msg.contains("rank 1 failed first, with exit code 3"),
             "{msg}"
         );
-        assert!(msg.contains("rank 2 (exit code 143)"), "{msg}");
+        assert!(
+            msg.contains("after it: rank 2 with exit code 143 (killed by signal 15)"),
+            "{msg}"
+        );
+        assert_eq!(got[0].describe(), "rank 1 failed with exit code 3");
+        assert_eq!(
+            got[1].describe(),
+            "rank 2 failed with exit code 143 (killed by signal 15)"
+        );
     }
 
     #[test]

@@ -33,6 +33,7 @@ pub const KEYS: &[&str] = &[
     "main_process_port",
     "hosts",
     "hostfile",
+    "max_restarts",
 ];
 
 /// What a config file says; `None` means the file leaves the setting to the defaults.
@@ -60,6 +61,8 @@ pub struct Config {
     pub hosts: Option<Vec<String>>,
     /// An MPI hostfile listing the machines (relative paths are read from the file's folder).
     pub hostfile: Option<PathBuf>,
+    /// How many times `ivme launch` starts a failed job again.
+    pub max_restarts: Option<usize>,
 }
 
 /// Where the config file in use was found, and why there.
@@ -250,6 +253,7 @@ impl Config {
                 }
                 "num_machines" => c.num_machines = Some(whole(k, v, path, 1, i64::MAX)? as usize),
                 "machine_rank" => c.machine_rank = Some(whole(k, v, path, 0, i64::MAX)? as usize),
+                "max_restarts" => c.max_restarts = Some(whole(k, v, path, 0, i64::MAX)? as usize),
                 "main_process_port" => {
                     c.main_process_port = Some(whole(k, v, path, 1, 65535)? as u16)
                 }
@@ -367,6 +371,10 @@ impl Config {
             self.hostfile
                 .as_ref()
                 .map(|p| format!("hostfile = {}", q(&p.display().to_string()))),
+        );
+        put(
+            "Start a failed job again up to this many times (from its newest checkpoint).",
+            self.max_restarts.map(|n| format!("max_restarts = {n}")),
         );
         out
     }

@@ -24,6 +24,7 @@ fn a_written_config_reads_back_the_same() {
         main_process_port: Some(29500),
         hosts: Some(vec!["10.0.0.1".into(), "node \"2\"".replace(' ', "_")]),
         hostfile: None,
+        max_restarts: Some(3),
     };
     assert_eq!(parse(&c.to_toml()).unwrap(), c);
     assert_eq!(

@@ -69,6 +69,12 @@ impl Show for PathBuf {
     }
 }
 
+impl Show for std::time::Duration {
+    fn show(&self) -> String {
+        format!("{}s", crate::faults::seconds_text(*self))
+    }
+}
+
 impl Show for Vec<String> {
     fn show(&self) -> String {
         format!("[{}]", self.join(", "))
@@ -158,6 +164,22 @@ pub fn merge(
         },
         "1 or 0",
     )?;
+    let timeout_env = env_value(
+        inherited,
+        crate::faults::COLLECTIVE_TIMEOUT_VAR,
+        crate::faults::parse_duration,
+        crate::faults::DURATION_VALID,
+    )?;
+    let debug_sync_env = env_value(
+        inherited,
+        crate::faults::DEBUG_SYNC_VAR,
+        |s| match s {
+            "1" | "true" => Some(true),
+            "0" | "false" => Some(false),
+            _ => None,
+        },
+        "1 or 0",
+    )?;
     // A hostfile on the command line describes the machines anew, so the file's machine list
     // (and its count) would only contradict it.
     let new_machines = flags.hostfile.is_some();
@@ -225,6 +247,27 @@ pub fn merge(
             (path, file_hostfile),
         ),
         hosts: pick(&mut o, "hosts", None, None, (path, file_hosts)),
+        max_restarts: pick(
+            &mut o,
+            "max_restarts",
+            flags.max_restarts,
+            None,
+            (path, c.max_restarts),
+        ),
+        collective_timeout: pick(
+            &mut o,
+            "collective_timeout",
+            flags.collective_timeout,
+            timeout_env,
+            (path, None),
+        ),
+        debug_sync: pick(
+            &mut o,
+            "debug_sync",
+            flags.debug_sync,
+            debug_sync_env,
+            (path, None),
+        ),
         config_file: flags.config_file,
         dry_run: flags.dry_run,
         program: flags.program,
@@ -281,6 +324,47 @@ mod tests {
             "config file /cfg.toml"
         );
         assert_eq!(origin(&o, "main_process_port").from, From::Default);
+    }
+
+    #[test]
+    fn fault_settings_come_from_flags_the_environment_or_the_file() {
+        let file = Config {
+            max_restarts: Some(2),
+            ..Config::default()
+        };
+        let flags = LaunchArgs {
+            debug_sync: Some(false),
+            ..LaunchArgs::default()
+        };
+        let inherited = env(&[("IVME_COLLECTIVE_TIMEOUT", "2m"), ("IVME_DEBUG_SYNC", "1")]);
+        let p = Path::new("/cfg.toml");
+        let (a, o) = merge(flags, Some((p, &file)), &inherited).unwrap();
+        assert_eq!(a.max_restarts, Some(2));
+        assert_eq!(
+            origin(&o, "max_restarts").describe(),
+            "config file /cfg.toml"
+        );
+        assert_eq!(
+            a.collective_timeout,
+            Some(std::time::Duration::from_secs(120))
+        );
+        assert_eq!(
+            origin(&o, "collective_timeout").from,
+            From::Env("IVME_COLLECTIVE_TIMEOUT")
+        );
+        assert_eq!(a.debug_sync, Some(false));
+        assert_eq!(origin(&o, "debug_sync").from, From::Flag);
+        let e = merge(
+            LaunchArgs::default(),
+            None,
+            &env(&[("IVME_COLLECTIVE_TIMEOUT", "soon")]),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("IVME_COLLECTIVE_TIMEOUT") && e.contains("10m"),
+            "{e}"
+        );
     }
 
     #[test]
