@@ -188,3 +188,143 @@ fn sigkill_at_any_moment_leaves_a_complete_checkpoint_and_the_next_save_works() 
     }
     let _ = std::fs::remove_dir_all(&project);
 }
+
+/// Copies a folder tree (regular files and folders only).
+fn copy_tree(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        let (src, dst) = (e.path(), to.join(e.file_name()));
+        if e.file_type().unwrap().is_dir() {
+            copy_tree(&src, &dst);
+        } else {
+            std::fs::copy(&src, &dst).unwrap();
+        }
+    }
+}
+
+/// Runs `ckpt_faults` with `args` and extra environment; returns (success, stdout, stderr).
+fn faults(args: &[&str], env: &[(&str, String)]) -> (bool, String, String) {
+    let mut child = Command::new(common::example_bin("ckpt_faults"))
+        .args(args)
+        .env_remove("IVME_CRASH_TRACE")
+        .env_remove("IVME_CRASH_AT")
+        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while child.try_wait().unwrap().is_none() {
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("ckpt_faults {args:?} hung");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let out = child.wait_with_output().unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// The words after `word` on the first stdout line starting with it.
+fn line_with<'a>(out: &'a str, word: &str) -> Option<Vec<&'a str>> {
+    out.lines()
+        .find(|l| l.starts_with(word))
+        .map(|l| l.split(' ').skip(1).collect())
+}
+
+#[test]
+fn a_crash_at_every_step_of_a_save_is_recovered_by_the_next_run() {
+    let root = common::Scratch::new("crash-every-step");
+    let base = root.0.join("base");
+    let b = base.to_str().unwrap();
+    // Two committed checkpoints (A = checkpoint_1 is the newest), rotation keeping two.
+    let (ok, out, err) = faults(&["save", b, "1", "2"], &[]);
+    assert!(ok, "{err}");
+    let fp_a = out
+        .lines()
+        .last()
+        .unwrap()
+        .split(' ')
+        .nth(2)
+        .unwrap()
+        .to_string();
+    // One uninterrupted resume + save, traced: the numbered steps every crash run goes through.
+    let traced = root.0.join("traced");
+    copy_tree(&base, &traced);
+    let (ok, out, err) = faults(
+        &["resume", traced.to_str().unwrap(), "1"],
+        &[("IVME_CRASH_TRACE", "1".into())],
+    );
+    assert!(ok, "{err}");
+    let steps: Vec<String> = err
+        .lines()
+        .filter_map(|l| l.strip_prefix("ivme: crash point "))
+        .map(|l| l.split_once(": ").unwrap().1.to_string())
+        .collect();
+    // From this step on the new manifest is complete (in the page cache, which a SIGKILL
+    // does not lose), so the save must be recovered; before it, the previous one must win.
+    let manifest_written = 1 + steps
+        .iter()
+        .position(|s| s.starts_with("written ") && s.ends_with("/manifest.json"))
+        .expect("the trace shows the manifest being written");
+    assert!(steps.len() > 40, "{steps:?}");
+    let fp_b = line_with(&out, "saving").unwrap()[0].to_string();
+    for k in 1..=steps.len() + 1 {
+        let work = root.0.join(format!("k{k}"));
+        copy_tree(&base, &work);
+        let w = work.to_str().unwrap();
+        let (ok, out, err) = faults(&["resume", w, "1"], &[("IVME_CRASH_AT", k.to_string())]);
+        let what = format!(
+            "crash at step {k} ({})",
+            steps.get(k - 1).map_or("none", |s| s.as_str())
+        );
+        assert_eq!(ok, k > steps.len(), "{what}: {err}");
+        assert_eq!(
+            line_with(&out, "saving").unwrap()[0],
+            fp_b,
+            "{what}: the run is deterministic"
+        );
+        // The next run: load_state(None) must load the newest complete save, then save.
+        let (ok, out, err) = faults(&["load", w], &[]);
+        assert!(ok, "{what}: the next run failed: {err}\n{out}");
+        let loaded = line_with(&out, "loaded").unwrap();
+        let (want_dir, want_fp) = if k >= manifest_written {
+            ("checkpoint_2", &fp_b)
+        } else {
+            ("checkpoint_1", &fp_a)
+        };
+        assert!(
+            loaded[0].ends_with(want_dir),
+            "{what}: loaded {}",
+            loaded[0]
+        );
+        assert_eq!(
+            loaded[1],
+            want_fp.as_str(),
+            "{what}: loaded the wrong state"
+        );
+        assert!(
+            line_with(&out, "saved").is_some(),
+            "{what}: the next save failed: {out}"
+        );
+        // Nothing half-written is left under a checkpoint name, nor anything else.
+        let ckpts = work.join("checkpoints");
+        for e in std::fs::read_dir(&ckpts).unwrap() {
+            let name = e.unwrap().file_name().to_string_lossy().into_owned();
+            match name.as_str() {
+                ".ivme-lock" => {}
+                n if checkpoint_number(Path::new(n)).is_some() => {
+                    verify(&ckpts.join(n)).unwrap_or_else(|e| panic!("{what}: {n}: {e}"));
+                }
+                other => panic!("{what}: leftover {other}"),
+            }
+        }
+        let _ = std::fs::remove_dir_all(&work);
+    }
+}

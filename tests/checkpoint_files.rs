@@ -1,5 +1,5 @@
 //! Model files and checkpoint folders on real disks: shard layouts for every `max_shard_size`
-//! edge case, loading into variables, key checks, escaping indexes, corruption of any file,
+//! edge case, loading into variables, key checks, corruption of any file,
 //! crash leftovers, numbering after a resume and rotation.
 
 mod common;
@@ -234,42 +234,6 @@ fn missing_misshaped_and_unexpected_keys_are_named() {
 }
 
 #[test]
-fn index_entries_escaping_the_folder_are_refused() {
-    let tmp = Scratch::new("ckpt-escape");
-    let inner = tmp.0.join("model");
-    let src = mixed();
-    save_model(&src[..1], &tmp.0, None).unwrap(); // a real file outside `model/`
-    std::fs::create_dir_all(&inner).unwrap();
-    std::os::unix::fs::symlink(
-        tmp.0.join("model.safetensors"),
-        inner.join("link.safetensors"),
-    )
-    .unwrap();
-    let outside = tmp.0.join("model.safetensors").display().to_string();
-    let vars = zero_vars(&src[..1]);
-    for entry in [
-        "../model.safetensors",
-        outside.as_str(),
-        "link.safetensors",
-        "./../model.safetensors",
-    ] {
-        let index = json!({"metadata": {}, "weight_map": {"d": entry}});
-        std::fs::write(
-            inner.join("model.safetensors.index.json"),
-            index.to_string(),
-        )
-        .unwrap();
-        let err = load_checkpoint_in_model(&vars, &inner, &Device::Cpu)
-            .unwrap_err()
-            .to_string();
-        assert!(
-            err.contains("outside the checkpoint folder"),
-            "{entry}: {err}"
-        );
-    }
-}
-
-#[test]
 fn a_new_layout_removes_the_files_of_the_old_one() {
     let tmp = Scratch::new("ckpt-stale");
     let src = mixed();
@@ -338,7 +302,6 @@ fn two_rank_state(n: u64) -> Vec<RankState> {
 fn save_all(final_dir: &Path, n: u64) -> ivme::checkpoint::Manifest {
     let tmp = begin(final_dir).unwrap();
     for (r, state) in two_rank_state(n).iter().enumerate() {
-        assert_eq!(begin(final_dir).unwrap(), tmp, "begin is idempotent");
         ivme::checkpoint::store::write_rank(&tmp, r, state).unwrap();
     }
     let meta = ManifestMeta {
@@ -477,16 +440,22 @@ fn commit_keeps_verified_checkpoints_and_replaces_broken_ones() {
 #[test]
 fn crash_leftovers_are_cleaned_and_finished_saves_recovered() {
     let tmp = Scratch::new("ckpt-stale-tmp");
-    let half = begin(&tmp.0.join("checkpoint_4")).unwrap();
+    // A save whose process died mid-way: its claim file is there but nobody locks it.
+    let half = tmp.0.join(".checkpoint_4.save-deadhost-1-0-0.tmp");
+    std::fs::write(tmp.0.join(".checkpoint_4.save-deadhost-1-0-0.claim"), "{}").unwrap();
     ivme::checkpoint::store::write_rank(&half, 0, &two_rank_state(4)[0]).unwrap();
     std::fs::create_dir_all(tmp.0.join(".checkpoint_1.del/rank0")).unwrap();
-    // A save that crashed after its manifest but before the rename.
+    // A save still in progress in this process: claimed, so never touched.
+    let live = begin(&tmp.0.join("checkpoint_6")).unwrap();
+    // A save that crashed after its manifest but before the rename (an older ivme's name).
     let done = tmp.0.join("checkpoint_5");
     save_all(&done, 5);
     std::fs::rename(&done, tmp.0.join(".checkpoint_5.tmp")).unwrap();
     let cleaned = clean_stale(&tmp.0).unwrap();
     assert_eq!(cleaned.recovered, vec![done.clone()]);
-    assert_eq!(cleaned.removed.len(), 2);
+    assert_eq!(cleaned.removed.len(), 2, "{cleaned:?}");
+    assert!(live.is_dir(), "a live save is left alone");
+    ivme::checkpoint::abandon(&live).unwrap();
     assert_eq!(
         files_in(&tmp.0),
         BTreeSet::from(["checkpoint_5".to_string()])

@@ -7,16 +7,21 @@
 //! scaler, the accumulation micro-step with the partial gradient sums of a window saved
 //! mid-way, and every object registered with
 //! [`register_for_checkpointing`](crate::Accelerator::register_for_checkpointing).
+//!
+//! Saving takes the project folder's lock and a temporary folder unique to the save (see
+//! [`checkpoint::lock`](crate::checkpoint::lock) and
+//! [`checkpoint::staging`](crate::checkpoint::staging)); loading checks everything before it
+//! changes anything (see `checkpoint/restore.rs`).
 
 use crate::accelerator::Accelerator;
+use crate::checkpoint::fsio::parent_of;
 use crate::checkpoint::model::{load_checkpoint_in_model, save_model, LoadReport, ShardSize};
-use crate::checkpoint::project::{latest_valid, rotate, ProjectConfiguration};
+use crate::checkpoint::project::{find_resumable, latest_valid, rotate, ProjectConfiguration};
 use crate::checkpoint::store::{self, Component, ManifestMeta, RankState};
-use crate::data::LoaderPosition;
+use crate::checkpoint::FolderLock;
 use crate::error::{Error, Result};
-use crate::rng::RngState;
 use crate::stateful::{Shared, StateDict, Stateful};
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 use serde_json::json;
 use std::path::{Path, PathBuf};
 
@@ -25,20 +30,6 @@ fn component(name: String, s: StateDict) -> Component {
         name,
         tensors: s.tensors,
         json: s.json,
-    }
-}
-
-fn as_state(c: &Component) -> StateDict {
-    StateDict {
-        tensors: c.tensors.clone(),
-        json: c.json.clone(),
-    }
-}
-
-fn missing(dir: &Path, what: &str) -> Error {
-    Error::Checkpoint {
-        path: dir.to_path_buf(),
-        msg: format!("it has no `{what}`: it was saved by a program that prepared or registered different objects"),
     }
 }
 
@@ -156,6 +147,15 @@ impl Accelerator {
     /// Saves the whole training state to `dir`, or (with `None`) to the next automatically
     /// named checkpoint of the project configuration. Every rank must call it. Returns the
     /// committed folder. A crash at any moment leaves the previous checkpoints intact.
+    ///
+    /// One job writes a project's checkpoints: the first automatic save takes an exclusive
+    /// lock on `project_dir/checkpoints` (on the main process; the other ranks write under
+    /// its decision) and keeps it until this Accelerator is dropped, so a second job saving
+    /// there gets an error naming the holder (host, pid, since when). The lock dies with its
+    /// process, so a crashed job never blocks the restarted one. Each save is written into a
+    /// temporary folder of its own; a save to an explicit `dir` that another process commits
+    /// first fails with an error instead of merging the two. Any write error (a full disk
+    /// included) names the file and leaves the previous checkpoints as they were.
     pub fn save_state(&mut self, dir: Option<&Path>) -> Result<PathBuf> {
         // Every rank checks the request, so a bad one fails everywhere instead of leaving
         // the other ranks waiting for rank 0's path.
@@ -170,37 +170,25 @@ impl Accelerator {
                     .into(),
             ));
         }
-        let chosen = match (self.is_main_process(), dir, auto) {
-            (false, _, _) => Ok(None),
-            (true, Some(d), _) => Ok(Some(d.to_path_buf())),
-            (true, None, Some(p)) => p.next_checkpoint_dir().map(Some),
-            (true, None, None) => Ok(None),
+        // The main process takes (or checks) the folder's lock, recovers crashed saves, picks
+        // the name and creates this save's own temporary folder; every rank writes into it.
+        let prepared = if self.is_main_process() {
+            self.prepare_save(dir).map(Some)
+        } else {
+            Ok(None)
         };
-        let chosen = self.agree("naming the checkpoint", chosen)?;
-        let target = self
-            .broadcast_path(chosen)?
-            .ok_or_else(|| Error::Usage("no checkpoint folder".into()))?;
-        let parent = target
-            .parent()
-            .map(Path::to_path_buf)
-            .unwrap_or_else(|| PathBuf::from("."));
-        let prepared = self.agree(
-            "preparing the checkpoint folder",
-            (|| {
-                if self.is_main_process() {
-                    std::fs::create_dir_all(&parent)
-                        .map_err(|e| Error::io(format!("creating {}", parent.display()), e))?;
-                    store::clean_stale(&parent)?;
-                }
-                Ok(())
-            })(),
-        );
-        prepared?;
-        let tmp = self.agree("starting the save", store::begin(&target))?;
+        let prepared = self.agree("preparing the checkpoint folder", prepared)?;
+        let (target, tmp) = self.broadcast_paths(prepared)?;
         let wrote = self
             .rank_state()
             .and_then(|s| store::write_rank(&tmp, self.process_index(), &s));
-        self.agree("writing the state", wrote)?;
+        if let Err(e) = self.agree("writing the state", wrote) {
+            if self.is_main_process() {
+                // The previous checkpoints were never touched; free the space this one took.
+                let _ = store::abandon(&tmp);
+            }
+            return Err(e);
+        }
         let step = self.optimizer_steps();
         let committed = if self.is_main_process() {
             let meta = ManifestMeta {
@@ -227,6 +215,75 @@ impl Accelerator {
         Ok(target)
     }
 
+    /// The main process's part of starting a save: the folder, its lock, recovery of crashed
+    /// saves, the name (chosen after recovery, so a finished-but-unrenamed save is counted)
+    /// and a temporary folder unique to this save.
+    ///
+    /// Automatic saves lock the project's `checkpoints` folder from the first save until the
+    /// Accelerator is dropped; a save to an explicit folder takes no lock but is refused when
+    /// another job holds the folder it would be written into.
+    fn prepare_save(&mut self, dir: Option<&Path>) -> Result<(PathBuf, PathBuf)> {
+        let parent = match (dir, &self.project) {
+            (Some(d), _) => parent_of(d),
+            (None, Some(p)) => p.checkpoints_dir(),
+            (None, None) => return Err(Error::Usage("no checkpoint folder".into())),
+        };
+        std::fs::create_dir_all(&parent)
+            .map_err(|e| Error::io(format!("creating {}", parent.display()), e))?;
+        if dir.is_none() {
+            let key = parent
+                .canonicalize()
+                .map_err(|e| Error::io(format!("resolving {}", parent.display()), e))?;
+            if !self.checkpoint_locks.iter().any(|l| l.dir() == key) {
+                self.checkpoint_locks.push(FolderLock::acquire(&parent)?);
+            }
+        } else {
+            FolderLock::check_free(&parent)?;
+        }
+        store::clean_stale(&parent)?;
+        let target = match (dir, &self.project) {
+            (Some(d), _) => d.to_path_buf(),
+            (None, Some(p)) => p.next_checkpoint_dir()?,
+            (None, None) => unreachable!("checked above"),
+        };
+        let tmp = store::begin(&target)?;
+        Ok((target, tmp))
+    }
+
+    /// Sends the main process's (checkpoint, temporary folder) pair to every rank.
+    fn broadcast_paths(&self, pair: Option<(PathBuf, PathBuf)>) -> Result<(PathBuf, PathBuf)> {
+        let bytes = pair
+            .map(|(a, b)| format!("{}\0{}", a.display(), b.display()).into_bytes())
+            .unwrap_or_default();
+        let bytes = self.comm().broadcast_bytes(bytes, 0)?;
+        let text = String::from_utf8_lossy(&bytes);
+        match text.split_once('\0') {
+            Some((a, b)) => Ok((PathBuf::from(a), PathBuf::from(b))),
+            None => Err(Error::Comm(
+                "the main process sent no checkpoint folder".into(),
+            )),
+        }
+    }
+
+    /// Finishes or clears what crashed saves left in the project's checkpoints folder before a
+    /// load picks the newest; a problem here only warns (a read-only copy can still be loaded).
+    fn recover_for_load(&self, checkpoints_dir: &Path) {
+        match store::clean_stale(checkpoints_dir) {
+            Ok(c) => {
+                for r in &c.recovered {
+                    eprintln!(
+                        "ivme: finished a save that crashed before its rename: {}",
+                        r.display()
+                    );
+                }
+            }
+            Err(e) => eprintln!(
+                "ivme: warning: could not tidy {}: {e}",
+                checkpoints_dir.display()
+            ),
+        }
+    }
+
     fn optimizer_steps(&self) -> u64 {
         self.optimizers
             .first()
@@ -236,147 +293,100 @@ impl Accelerator {
     }
 
     /// Restores the state saved by [`save_state`](Self::save_state) from `dir`, or (with
-    /// `None`) from the newest project checkpoint whose files verify. Call it after
-    /// preparing and registering the same objects as the saving run. Returns the folder.
+    /// `None`) from the newest project checkpoint whose files verify, after finishing or
+    /// clearing what crashed saves left behind. Call it after preparing and registering the
+    /// same objects as the saving run. Returns the folder.
+    ///
+    /// All or nothing: every rank first reads and checks everything it would load (checksums,
+    /// component counts, tensor shapes and dtypes against the live model and optimizers, the
+    /// JSON of RNG, scaler, loader positions and registered objects); only when every rank's
+    /// check passed does anything change, and an object that still refuses its state has the
+    /// ones loaded before it put back. On an error, the training state is as it was.
     pub fn load_state(&mut self, dir: Option<&Path>) -> Result<PathBuf> {
         let chosen = if self.is_main_process() {
             let found = match (dir, &self.project) {
                 // Each rank checks every file it reads against the manifest while loading.
                 (Some(d), _) => store::read_manifest(d).map(|_| d.to_path_buf()),
-                (None, Some(p)) => latest_valid(&p.checkpoints_dir()).and_then(|f| {
-                    f.map(|(d, _)| d).ok_or_else(|| Error::Checkpoint {
-                        path: p.checkpoints_dir(),
-                        msg: "holds no complete checkpoint to resume from".into(),
+                (None, Some(p)) => {
+                    self.recover_for_load(&p.checkpoints_dir());
+                    latest_valid(&p.checkpoints_dir()).and_then(|f| {
+                        f.map(|(d, _)| d).ok_or_else(|| Error::Checkpoint {
+                            path: p.checkpoints_dir(),
+                            msg: "holds no complete checkpoint to resume from".into(),
+                        })
                     })
-                }),
+                }
                 (None, None) => Err(Error::Usage(
                     "load_state(None) needs a ProjectConfiguration to find checkpoints; pass a folder".into(),
                 )),
             };
-            Some(found)
+            found.map(Some)
         } else {
-            None
-        };
-        let chosen = match chosen {
-            Some(Ok(p)) => Ok(Some(p)),
-            Some(Err(e)) => Err(e),
-            None => Ok(None),
+            Ok(None)
         };
         let chosen = self.agree("finding the checkpoint", chosen)?;
         let dir = self
             .broadcast_path(chosen)?
             .ok_or_else(|| Error::Usage("no checkpoint chosen".into()))?;
-        let loaded = self.apply_checkpoint(&dir);
-        self.agree("loading the checkpoint", loaded)?;
+        self.load_checked(&dir)?;
         Ok(dir)
     }
 
-    fn apply_checkpoint(&mut self, dir: &Path) -> Result<()> {
-        let manifest = store::read_manifest(dir)?;
-        if manifest.world_size != self.num_processes() {
-            return Err(Error::Checkpoint {
-                path: dir.to_path_buf(),
-                msg: format!(
-                    "was saved by {} processes but this run has {}; resume with `ivme launch --num_processes {}`",
-                    manifest.world_size,
-                    self.num_processes(),
-                    manifest.world_size
-                ),
-            });
-        }
-        // Model weights stream straight into the variables (memory stays near one tensor);
-        // everything else is small enough to read whole.
-        let is_model = |c: &str| c.starts_with("model_");
-        let shared = store::read_rank_with(dir, 0, |c| !is_model(c))?;
-        let mine = if self.process_index() == 0 {
-            shared.clone()
-        } else {
-            store::read_rank(dir, self.process_index())?
-        };
-        let get =
-            |s: &RankState, name: &str| s.get(name).cloned().ok_or_else(|| missing(dir, name));
+    /// Checks `dir` on every rank, and applies it only if every rank's check passed.
+    fn load_checked(&mut self, dir: &Path) -> Result<()> {
+        let plan = self.check_checkpoint(dir);
+        let plan = self.agree("checking the checkpoint", plan)?;
+        let applied = self.apply_plan(plan);
+        self.agree("loading the checkpoint", applied)
+    }
 
-        for i in 0..self.models.len() {
-            let component = format!("model_{i}");
-            get(&shared, &component)?;
-            let m = &self.models[i];
-            let check = |listing: &[(String, DType, Vec<usize>)]| -> Result<()> {
-                for (name, master) in m.names.iter().zip(&m.master) {
-                    match listing.iter().find(|(n, _, _)| n == name) {
-                        None => return Err(missing(dir, name)),
-                        Some((_, _, shape)) if shape.as_slice() != master.dims() => {
-                            return Err(Error::Checkpoint {
-                                path: dir.to_path_buf(),
-                                msg: format!(
-                                    "has `{name}` with shape {shape:?} but the model's is {:?}; \
-                                     was it saved by this model?",
-                                    master.dims()
-                                ),
-                            })
-                        }
-                        Some(_) => {}
-                    }
-                }
-                Ok(())
-            };
-            let set = |name: &str, t: Tensor| -> Result<()> {
-                let Some(i) = m.names.iter().position(|n| n == name) else {
-                    return Ok(());
-                };
-                let (master, compute) = (&m.master[i], &m.compute[i]);
-                master.set(&t.to_dtype(DType::F32)?.to_device(master.device())?)?;
-                if compute.as_tensor().id() != master.as_tensor().id() {
-                    compute.set(&master.as_tensor().to_dtype(compute.dtype())?)?;
-                }
-                Ok(())
-            };
-            store::stream_tensors(dir, 0, &component, check, set)?;
-        }
-        for i in 0..self.optimizers.len() {
-            let c = get(&shared, &format!("optimizer_{i}"))?;
-            self.optimizers[i].load_state_dict(&as_state(&c))?;
-        }
-        for i in 0..self.loaders.len() {
-            let c = get(&mine, &format!("loader_{i}"))?;
-            let pos: LoaderPosition = serde_json::from_value(c.json)?;
-            *self.loaders[i].lock() = pos;
-        }
-        let rng: RngState = serde_json::from_value(get(&mine, "rng")?.json)?;
-        *self.rng.lock() = crate::rng::Rng::from_state(rng);
-        let t = get(&mine, "training")?;
-        self.grad_state
-            .set_auto_index(t.json["auto_micro_step"].as_u64().unwrap_or(0));
-        self.scaler = serde_json::from_value(t.json["scaler"].clone())?;
-        for (i, m) in self.models.iter_mut().enumerate() {
-            for (name, s) in m.names.iter().zip(m.sums.iter_mut()) {
-                let key = format!("{i}::{name}");
-                *s = t
-                    .tensors
-                    .iter()
-                    .find(|(n, _)| *n == key)
-                    .map(|(_, t)| t.clone());
-            }
-        }
-        let saved_custom = mine
-            .components
-            .iter()
-            .filter(|c| c.name.starts_with("custom_"))
-            .count();
-        if saved_custom != self.registered.len() {
-            return Err(Error::Checkpoint {
-                path: dir.to_path_buf(),
-                msg: format!(
-                    "holds {saved_custom} registered object(s) but {} are registered now; register the same \
-                     objects, in the same order, before load_state",
-                    self.registered.len()
-                ),
-            });
-        }
-        for i in 0..self.registered.len() {
-            let c = get(&mine, &format!("custom_{i}"))?;
-            self.registered[i].load_state_dict(&as_state(&c))?;
-        }
-        Ok(())
+    /// Resumes from the newest complete checkpoint of the project folder, or says there is none.
+    ///
+    /// For automatic restarts: call it once after preparing and registering everything.
+    /// Leftovers of a crashed save are recovered first (a save that crashed after writing its
+    /// manifest is finished; an incomplete one is removed when no other job holds the folder).
+    /// A damaged newest checkpoint is skipped, with a warning on the main process, in favour of
+    /// the newest one that verifies.
+    ///
+    /// Returns `Ok(Some(folder))` after loading, `Ok(None)` when the project folder holds no
+    /// checkpoint at all (start fresh), and an error when there are checkpoints but none
+    /// verifies, when the newest valid one does not fit the prepared objects (nothing is
+    /// changed then), or when no [`ProjectConfiguration`] is set. Every rank must call it.
+    ///
+    /// ```no_run
+    /// # fn main() -> ivme::Result<()> {
+    /// use ivme::checkpoint::ProjectConfiguration;
+    /// let mut accelerator = ivme::Accelerator::new()?;
+    /// accelerator.set_project_configuration(
+    ///     ProjectConfiguration::new("runs/demo").automatic_checkpoint_naming(true),
+    /// )?;
+    /// // ... prepare the model, optimizer and loaders here ...
+    /// match accelerator.load_state_if_any()? {
+    ///     Some(dir) => accelerator.print(format!("resumed from {}", dir.display())),
+    ///     None => accelerator.print("starting fresh"),
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn load_state_if_any(&mut self) -> Result<Option<PathBuf>> {
+        let Some(project) = self.project.clone() else {
+            return Err(Error::Usage(
+                "load_state_if_any needs a ProjectConfiguration to find checkpoints; set one with \
+                 set_project_configuration (or project_dir)"
+                    .into(),
+            ));
+        };
+        let chosen = if self.is_main_process() {
+            self.recover_for_load(&project.checkpoints_dir());
+            find_resumable(&project.checkpoints_dir())
+        } else {
+            Ok(None)
+        };
+        let chosen = self.agree("finding the checkpoint", chosen)?;
+        let Some(dir) = self.broadcast_path(chosen)? else {
+            return Ok(None);
+        };
+        self.load_checked(&dir)?;
+        Ok(Some(dir))
     }
 
     /// Waits for every process, then the main process writes the models' f32 weights as

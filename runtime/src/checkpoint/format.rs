@@ -14,6 +14,7 @@ use std::path::Path;
 use candle_core::{CpuStorage, DType, Device, Storage, Tensor};
 use serde_json::{Map, Value};
 
+use super::fsio::open_regular;
 use crate::error::{Error, Result};
 
 /// Upper bound on the JSON header, matching the reference implementation's guard against
@@ -123,7 +124,7 @@ pub(crate) fn write_safetensors<W: Write>(
     while text.len() % 8 != 0 {
         text.push(b' ');
     }
-    let io = |e| Error::io("writing a safetensors file", e);
+    let io = |e| Error::io("writing the safetensors header", e);
     w.write_all(&(text.len() as u64).to_le_bytes())
         .map_err(io)?;
     w.write_all(&text).map_err(io)?;
@@ -202,14 +203,24 @@ fn as_usizes(path: &Path, name: &str, v: &Value) -> Result<Vec<usize>> {
         .ok_or_else(|| bad(path, format!("header entry `{name}` is malformed")))?;
     arr.iter()
         .map(|x| {
-            x.as_u64().map(|n| n as usize).ok_or_else(|| {
-                bad(
-                    path,
-                    format!("header entry `{name}` has a non-integer size"),
-                )
-            })
+            x.as_u64()
+                .and_then(|n| usize::try_from(n).ok())
+                .ok_or_else(|| {
+                    bad(
+                        path,
+                        format!("header entry `{name}` has a size that is not a non-negative integer this machine can address"),
+                    )
+                })
         })
         .collect()
+}
+
+/// Bytes a tensor of `shape` and `dtype` occupies, or `None` when that overflows.
+fn checked_bytes(shape: &[usize], dtype: DType) -> Option<usize> {
+    shape
+        .iter()
+        .try_fold(1usize, |acc, &d| acc.checked_mul(d))?
+        .checked_mul(dtype.size_in_bytes())
 }
 
 /// Parses and validates a header: known dtypes, sizes that match shapes, and byte ranges that
@@ -251,7 +262,12 @@ pub(crate) fn parse_header(path: &Path, text: &[u8], data_len: u64) -> Result<He
         let [start, end] = offsets[..] else {
             return Err(bad(path, format!("tensor `{name}` needs two data offsets")));
         };
-        let want = shape.iter().product::<usize>() * dtype.size_in_bytes();
+        let want = checked_bytes(&shape, dtype).ok_or_else(|| {
+            bad(
+                path,
+                format!("tensor `{name}` has shape {shape:?}, whose size overflows (crafted or corrupt header)"),
+            )
+        })?;
         if end < start || end - start != want {
             return Err(bad(
                 path,
@@ -280,7 +296,7 @@ pub(crate) fn parse_header(path: &Path, text: &[u8], data_len: u64) -> Result<He
         }
         at = t.end;
     }
-    if at as u64 != data_len {
+    if u64::try_from(at).ok() != Some(data_len) {
         return Err(bad(
             path,
             format!("the header describes {at} data bytes but the file holds {data_len} (truncated or padded file)"),
@@ -291,7 +307,7 @@ pub(crate) fn parse_header(path: &Path, text: &[u8], data_len: u64) -> Result<He
 
 fn header_len(path: &Path, prefix: &[u8], file_len: u64) -> Result<u64> {
     let n = u64::from_le_bytes(prefix.try_into().map_err(|_| bad(path, "file too short"))?);
-    if n > MAX_HEADER || 8 + n > file_len {
+    if n > MAX_HEADER || n.saturating_add(8) > file_len {
         return Err(bad(
             path,
             format!("header length {n} does not fit a {file_len}-byte file"),
@@ -305,16 +321,19 @@ fn header_len(path: &Path, prefix: &[u8], file_len: u64) -> Result<u64> {
 ///
 /// Memory stays near the largest tensor. With `expect = Some((size, crc))` the whole file is
 /// checksummed on the way and a mismatch is an error after the last tensor, so a caller that
-/// collects the tensors returns nothing from a damaged file.
+/// collects the tensors returns nothing from a damaged file. Only a regular file is read (a
+/// FIFO or device is an error, never a blocking read); `follow_links` says whether a symbolic
+/// link to one is accepted.
 pub(crate) fn read_tensors(
     path: &Path,
+    follow_links: bool,
     expect: Option<(u64, u32)>,
     device: &Device,
     want: impl Fn(&TensorInfo) -> bool,
     mut take: impl FnMut(&TensorInfo, Tensor) -> Result<()>,
 ) -> Result<Header> {
     let io = |e| Error::io(format!("reading {}", path.display()), e);
-    let mut f = std::fs::File::open(path).map_err(io)?;
+    let mut f = open_regular(path, follow_links)?;
     let file_len = f.metadata().map_err(io)?.len();
     if let Some((size, _)) = expect {
         if size != file_len {
@@ -370,10 +389,11 @@ pub(crate) fn read_tensors(
     Ok(header)
 }
 
-/// Reads only the header of a safetensors file, leaving its data on disk.
+/// Reads only the header of a safetensors file (a regular file, or a link to one), leaving its
+/// data on disk.
 pub(crate) fn read_header(path: &Path) -> Result<Header> {
     let io = |e| Error::io(format!("reading {}", path.display()), e);
-    let mut f = std::fs::File::open(path).map_err(io)?;
+    let mut f = open_regular(path, true)?;
     let file_len = f.metadata().map_err(io)?.len();
     let mut prefix = [0u8; 8];
     f.read_exact(&mut prefix)
@@ -382,4 +402,74 @@ pub(crate) fn read_header(path: &Path) -> Result<Header> {
     let mut text = vec![0u8; n as usize];
     f.read_exact(&mut text).map_err(io)?;
     parse_header(path, &text, file_len - 8 - n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn header(entry: Value) -> Vec<u8> {
+        serde_json::to_vec(&serde_json::json!({ "t": entry })).unwrap()
+    }
+
+    #[test]
+    fn crafted_headers_are_errors_not_panics() {
+        let p = Path::new("crafted.safetensors");
+        let huge = usize::MAX as u64;
+        for (entry, data_len, says) in [
+            // The shape's product overflows usize.
+            (
+                serde_json::json!({"dtype": "F32", "shape": [1u64 << 40, 1u64 << 40], "data_offsets": [0, 16]}),
+                16,
+                "overflows",
+            ),
+            (
+                serde_json::json!({"dtype": "F32", "shape": [huge, 2], "data_offsets": [0, 8]}),
+                8,
+                "overflows",
+            ),
+            // The product fits but times the element size does not.
+            (
+                serde_json::json!({"dtype": "F64", "shape": [huge / 4], "data_offsets": [0, 8]}),
+                8,
+                "overflows",
+            ),
+            // Offsets beyond any real file, reversed or not matching the shape.
+            (
+                serde_json::json!({"dtype": "U8", "shape": [4], "data_offsets": [huge - 4, huge]}),
+                4,
+                "does not start",
+            ),
+            (
+                serde_json::json!({"dtype": "U8", "shape": [4], "data_offsets": [8, 4]}),
+                4,
+                "spans",
+            ),
+            (
+                serde_json::json!({"dtype": "U8", "shape": [4], "data_offsets": [0, huge]}),
+                4,
+                "spans",
+            ),
+            (
+                serde_json::json!({"dtype": "U8", "shape": [-1], "data_offsets": [0, 4]}),
+                4,
+                "non-negative",
+            ),
+            (
+                serde_json::json!({"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}),
+                1 << 40,
+                "truncated",
+            ),
+        ] {
+            let err = parse_header(p, &header(entry.clone()), data_len)
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(says), "{entry}: {err}");
+        }
+        // A header length past the end of the file or absurdly large is refused up front.
+        for n in [u64::MAX, u64::MAX - 7, MAX_HEADER + 1, 100] {
+            let err = header_len(p, &n.to_le_bytes(), 64).unwrap_err().to_string();
+            assert!(err.contains("does not fit"), "{n}: {err}");
+        }
+    }
 }

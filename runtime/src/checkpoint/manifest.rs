@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::format::bad;
-use super::fsio::{io_at, size_and_crc};
+use super::fsio::{io_at, kind_name, read_regular, size_and_crc};
 use crate::error::Result;
 
 /// Version of the folder layout written by this build.
@@ -66,14 +66,14 @@ pub(super) fn encode_manifest(m: &Manifest) -> Result<Vec<u8>> {
 /// Reads and self-checks `dir/manifest.json` without touching the other files.
 pub fn read_manifest(dir: &Path) -> Result<Manifest> {
     let path = dir.join(MANIFEST_FILE);
-    if !path.is_file() {
+    if std::fs::symlink_metadata(&path).is_err() {
         return Err(bad(
             dir,
             "has no manifest.json, so it is not a committed checkpoint (an interrupted save?); \
              pick another checkpoint",
         ));
     }
-    let bytes = std::fs::read(&path).map_err(io_at("reading", &path))?;
+    let bytes = read_regular(&path, false)?;
     let corrupt = |why: &str| {
         bad(
             &path,
@@ -115,7 +115,8 @@ pub(super) fn rank_dir(r: usize) -> String {
     format!("rank{r}")
 }
 
-/// Every regular file under `dir` (relative, `/`-separated), except the manifest.
+/// Every regular file under `dir` (relative, `/`-separated), except the manifest; anything
+/// that is neither a regular file nor a folder is an error naming it.
 pub(super) fn list_files(dir: &Path) -> Result<BTreeSet<String>> {
     fn walk(root: &Path, rel: &str, out: &mut BTreeSet<String>) -> Result<()> {
         let here = if rel.is_empty() {
@@ -136,6 +137,17 @@ pub(super) fn list_files(dir: &Path) -> Result<BTreeSet<String>> {
                 .map_err(io_at("inspecting", &entry.path()))?;
             if kind.is_dir() {
                 walk(root, &path, out)?;
+            } else if !kind.is_file() {
+                // Links, FIFOs, sockets and devices are refused without being opened: a FIFO
+                // would block a reader forever, a link could point anywhere.
+                return Err(bad(
+                    &entry.path(),
+                    format!(
+                        "is {}; a checkpoint folder holds only regular files and folders: \
+                         remove it",
+                        kind_name(kind)
+                    ),
+                ));
             } else if path != MANIFEST_FILE {
                 out.insert(path);
             }
@@ -193,16 +205,18 @@ pub fn verify(dir: &Path) -> Result<Manifest> {
             return Err(bad(dir, format!("manifest has no state for rank {r}")));
         }
     }
+    // Listing first refuses FIFOs, devices and links before any file is opened.
+    let present = list_files(dir)?;
     for e in &m.files {
         safe_rel(dir, &e.path)?;
         let path = dir.join(&e.path);
-        if !path.is_file() {
+        if !present.contains(&e.path) {
             return Err(bad(&path, "is listed in the manifest but missing"));
         }
         let (size, crc) = size_and_crc(&path)?;
         check_entry(dir, e, size, crc)?;
     }
-    for path in list_files(dir)? {
+    for path in present {
         if !listed.contains(path.as_str()) {
             return Err(bad(
                 &dir.join(&path),

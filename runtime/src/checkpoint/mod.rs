@@ -6,23 +6,33 @@
 //!   manifest of every file's checksum is written last and the folder is renamed into place.
 //! - [`project`]: automatic `checkpoint_{n}` naming, finding the newest valid checkpoint, and
 //!   rotation.
+//! - [`lock`]: one writing job per checkpoint folder (an advisory lock naming its holder).
+//! - [`staging`]: a uniquely named, claimed temporary folder per save, and recovery of what
+//!   crashed saves leave behind.
 //!
 //! These are plain functions over tensors, JSON and paths; the [`Accelerator`](crate::Accelerator)
 //! gathers the state and puts barriers between the steps.
 
+mod checks;
+#[doc(hidden)]
+pub mod faults;
 mod format;
-mod fsio;
+pub(crate) mod fsio;
+pub mod lock;
 mod manifest;
 pub mod model;
 pub mod project;
+pub(crate) mod restore;
+pub mod staging;
 pub mod store;
 
+pub use lock::FolderLock;
 pub use model::{
     load_checkpoint_in_model, load_checkpoint_in_varmap, read_safetensors_metadata, save_model,
     LoadReport, ShardSize,
 };
-pub use project::{latest_valid, rotate, ProjectConfiguration};
+pub use project::{find_resumable, latest_valid, rotate, ProjectConfiguration};
 pub use store::{
-    begin, clean_stale, commit, read_rank, read_rank_with, stream_tensors, verify, Cleaned,
-    Component, FileEntry, Manifest, ManifestMeta, RankState,
+    abandon, begin, clean_stale, commit, read_rank, read_rank_with, stream_tensors, verify,
+    Cleaned, Component, FileEntry, Manifest, ManifestMeta, RankState,
 };

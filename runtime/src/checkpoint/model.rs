@@ -9,7 +9,7 @@ use candle_core::{Device, Tensor, Var};
 use serde_json::{json, Value};
 
 use super::format::{self, bad};
-use super::fsio::{io_at, sync_dir, write_atomic};
+use super::fsio::{io_at, sync_dir, Staged};
 use crate::error::{Error, Result};
 
 /// File name of an unsharded model.
@@ -128,9 +128,11 @@ fn is_shard_name(name: &str) -> bool {
 ///
 /// Without a limit (or when everything fits one shard) this writes `model.safetensors`;
 /// otherwise `model-0000k-of-0000n.safetensors` shards, packed greedily in name order, plus
-/// `model.safetensors.index.json`. Every file carries the `format: pt` metadata and is replaced
-/// atomically. Files of an earlier save in `dir` that the new layout does not use are removed,
-/// so loaders never pick up a stale shard or index.
+/// `model.safetensors.index.json`. Every file carries the `format: pt` metadata. All files are
+/// written and fsynced under temporary names before any replaces its old version, so a write
+/// error (a full disk) names the file and leaves an earlier save in `dir` as it was. Files of
+/// an earlier save that the new layout does not use are removed afterwards, so loaders never
+/// pick up a stale shard or index.
 pub fn save_model(
     tensors: &[(String, Tensor)],
     dir: &Path,
@@ -155,6 +157,7 @@ pub fn save_model(
     let metadata = BTreeMap::from([("format".to_string(), "pt".to_string())]);
     let n = shards.len();
     let mut written = Vec::new();
+    let mut staged = Staged::default();
     let mut weight_map = BTreeMap::new();
     for (k, shard) in shards.iter().enumerate() {
         let file = if n == 1 {
@@ -170,7 +173,7 @@ pub fn save_model(
             })
             .collect();
         let path = dir.join(&file);
-        write_atomic(&path, |w| {
+        staged.write(&path, |w| {
             format::write_safetensors(w, &items, Some(&metadata)).map(drop)
         })?;
         for (name, _) in &items {
@@ -185,11 +188,13 @@ pub fn save_model(
         });
         let path = dir.join(INDEX_FILE);
         let text = serde_json::to_vec_pretty(&index)?;
-        write_atomic(&path, |w| {
+        staged.write(&path, |w| {
             std::io::Write::write_all(w, &text).map_err(io_at("writing", &path))
         })?;
         written.push(path);
     }
+    // Nothing is replaced until every file is written: a full disk leaves the old model whole.
+    staged.commit()?;
     remove_stale(dir, &written)?;
     Ok(written)
 }
@@ -223,35 +228,34 @@ pub struct LoadReport {
     pub files: Vec<PathBuf>,
 }
 
-/// Resolves an index entry to a file inside `dir`, refusing anything that escapes it.
+/// Resolves an index entry to a file in `dir`, refusing entries that climb out of it (`..`,
+/// absolute paths).
+///
+/// The file itself may be a symbolic link to a regular file anywhere: that is how the Hugging
+/// Face hub cache lays out every downloaded model (`snapshots/<rev>/<file>` are relative links
+/// into `../../blobs/<sha>`). What the index names is checked; where the file system's own
+/// links lead is the file system owner's choice.
 fn shard_path(dir: &Path, index: &Path, entry: &str) -> Result<PathBuf> {
     let rel = Path::new(entry);
     let plain = !entry.is_empty()
         && rel
             .components()
             .all(|c| matches!(c, Component::Normal(_) | Component::CurDir));
-    let escapes = || {
-        bad(
+    if !plain {
+        return Err(bad(
             index,
             format!("index entry `{entry}` points outside the checkpoint folder; shard files must sit inside it"),
-        )
-    };
-    if !plain {
-        return Err(escapes());
+        ));
     }
     let full = dir.join(rel);
-    let real = full.canonicalize().map_err(|_| {
-        bad(
+    if !full.exists() {
+        return Err(bad(
             index,
             format!(
-                "shard `{entry}` named in the index is missing from {}",
+                "shard `{entry}` named in the index is missing from {} (or is a broken link)",
                 dir.display()
             ),
-        )
-    })?;
-    let real_dir = dir.canonicalize().map_err(io_at("resolving", dir))?;
-    if !real.starts_with(&real_dir) {
-        return Err(escapes());
+        ));
     }
     Ok(full)
 }
@@ -283,7 +287,7 @@ fn locate(path: &Path) -> Result<BTreeMap<PathBuf, Vec<String>>> {
             "does not exist; pass a .safetensors file or a saved model folder",
         ));
     };
-    let text = std::fs::read(&index).map_err(io_at("reading", &index))?;
+    let text = super::fsio::read_regular(&index, true)?;
     let value: Value = serde_json::from_slice(&text)
         .map_err(|e| bad(&index, format!("is not valid JSON ({e})")))?;
     let map = value
@@ -390,7 +394,7 @@ pub fn load_checkpoint_in_model(
         let keep = |info: &format::TensorInfo| {
             wanted.contains(info.name.as_str()) && targets.contains_key(info.name.as_str())
         };
-        format::read_tensors(file, None, device, keep, |info, t| {
+        format::read_tensors(file, true, None, device, keep, |info, t| {
             let var = targets[info.name.as_str()];
             var.set(&t.to_dtype(var.dtype())?.to_device(var.device())?)?;
             report.loaded.push(info.name.clone());

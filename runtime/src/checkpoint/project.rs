@@ -135,6 +135,41 @@ pub fn latest_valid(checkpoints_dir: &Path) -> Result<Option<(PathBuf, Manifest)
     Ok(None)
 }
 
+/// The checkpoint a restarted run should resume from: the newest in `checkpoints_dir` that
+/// verifies.
+///
+/// `Ok(None)` when the folder holds no checkpoint at all (start fresh); an error naming the
+/// newest one's problem when there are checkpoints but none verifies. Skipped damaged ones
+/// are reported on stderr. Call [`clean_stale`](super::store::clean_stale) first, so a save
+/// that crashed between its manifest and its rename counts.
+pub fn find_resumable(checkpoints_dir: &Path) -> Result<Option<PathBuf>> {
+    let all = numbered(checkpoints_dir)?;
+    let mut newest_error = None;
+    for (_, dir) in all.iter().rev() {
+        match verify(dir) {
+            Ok(_) => return Ok(Some(dir.clone())),
+            Err(e) => {
+                eprintln!(
+                    "ivme: warning: skipping damaged checkpoint {}: {e}",
+                    dir.display()
+                );
+                newest_error.get_or_insert(e);
+            }
+        }
+    }
+    match newest_error {
+        None => Ok(None),
+        Some(e) => Err(Error::Checkpoint {
+            path: checkpoints_dir.to_path_buf(),
+            msg: format!(
+                "holds {} checkpoint(s) but none verifies (newest: {e}); delete the damaged \
+                 folders to start fresh, or load an intact copy",
+                all.len()
+            ),
+        }),
+    }
+}
+
 /// Deletes the oldest committed checkpoints in `checkpoints_dir` so at most `total_limit`
 /// remain, and returns the folders removed.
 ///

@@ -1,10 +1,12 @@
 //! Crash-safe, verified checkpoint folders holding every rank's training state.
 //!
 //! A save goes through three calls so the caller can put barriers between them on N ranks that
-//! share a file system: every rank calls [`begin`] then [`write_rank`]; after a barrier the main
-//! process alone calls [`commit`], which checksums every file, writes `manifest.json` last and
-//! renames the folder into place. A folder without a manifest that verifies is never a
-//! checkpoint, so a crash at any moment leaves either the previous checkpoint or the new one.
+//! share a file system: the main process calls [`begin`], which creates a temporary folder
+//! unique to this save, and hands its path to the other ranks; every rank calls [`write_rank`]
+//! into it; after a barrier the main process alone calls [`commit`], which checksums every
+//! file, writes `manifest.json` last and renames the folder into place (never over a folder
+//! that appeared meanwhile). A folder without a manifest that verifies is never a checkpoint,
+//! so a crash at any moment leaves either the previous checkpoint or the new one.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -13,12 +15,16 @@ use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use super::faults::crash_point;
 use super::format::{self, bad};
-use super::fsio::{io_at, parent_of, remove_dir_atomic, sync_dir, write_synced};
+use super::fsio::{
+    io_at, parent_of, read_regular, remove_dir_atomic, rename_noreplace, sync_dir, write_synced,
+};
 use super::manifest::{check_entry, encode_manifest, list_files, rank_dir, safe_rel, RANK_INDEX};
 pub use super::manifest::{
     read_manifest, verify, FileEntry, Manifest, CANDLE_VERSION, FORMAT_VERSION, MANIFEST_FILE,
 };
+pub use super::staging::{abandon, begin, clean_stale, Cleaned};
 use crate::error::{Error, Result};
 
 /// One saved piece of a rank's state (a model, optimizer, loader, RNG, ...): tensors plus JSON.
@@ -55,28 +61,6 @@ pub struct ManifestMeta {
     pub step: u64,
     /// Free-form JSON for the caller (e.g. the automatic-naming counter).
     pub extra: Value,
-}
-
-/// The deterministic temporary sibling a save of `final_dir` is written into.
-pub fn temp_dir_for(final_dir: &Path) -> Result<PathBuf> {
-    let name = final_dir.file_name().ok_or_else(|| {
-        Error::Usage(format!(
-            "{} does not name a checkpoint folder",
-            final_dir.display()
-        ))
-    })?;
-    Ok(parent_of(final_dir).join(format!(".{}.tmp", name.to_string_lossy())))
-}
-
-/// Starts a save of `final_dir`: creates (or reuses) its temporary sibling and returns it.
-///
-/// Every rank calls this; it is idempotent, so ranks racing on a shared file system agree.
-/// Leftovers of a crashed save are cleaned by [`clean_stale`], which the main process should
-/// call (followed by a barrier) before any rank begins.
-pub fn begin(final_dir: &Path) -> Result<PathBuf> {
-    let tmp = temp_dir_for(final_dir)?;
-    std::fs::create_dir_all(&tmp).map_err(io_at("creating", &tmp))?;
-    Ok(tmp)
 }
 
 fn check_component_name(name: &str) -> Result<()> {
@@ -165,7 +149,7 @@ struct RankIndex {
 fn rank_entries(tmp: &Path, rank: usize) -> Result<Vec<FileEntry>> {
     let dir = tmp.join(rank_dir(rank));
     let path = dir.join(RANK_INDEX);
-    let bytes = std::fs::read(&path).map_err(io_at("reading", &path))?;
+    let bytes = read_regular(&path, false)?;
     let index: RankIndex = serde_json::from_slice(&bytes)
         .map_err(|e| bad(&path, format!("is not a rank index ({e})")))?;
     let mut out = vec![FileEntry {
@@ -175,7 +159,7 @@ fn rank_entries(tmp: &Path, rank: usize) -> Result<Vec<FileEntry>> {
     }];
     for (name, sum) in index.files {
         let file = dir.join(&name);
-        let len = std::fs::metadata(&file)
+        let len = std::fs::symlink_metadata(&file)
             .map_err(io_at("inspecting", &file))?
             .len();
         if len != sum.size {
@@ -207,14 +191,20 @@ fn rank_entries(tmp: &Path, rank: usize) -> Result<Vec<FileEntry>> {
 /// last, renames `tmp` to `final_dir` and syncs the parent folder.
 ///
 /// Call it after a barrier that follows every rank's [`write_rank`]. An existing `final_dir`
-/// that verifies is never overwritten (error); one that does not verify is replaced.
+/// that verifies is never overwritten (error); one that does not verify is replaced. If
+/// `final_dir` appears while the save is being committed (another process saved there), the
+/// rename fails and this save is discarded: the two are never merged. On any error after the
+/// ranks' files were checked the temporary folder is removed ([`abandon`]).
 pub fn commit(tmp: &Path, final_dir: &Path, meta: ManifestMeta) -> Result<Manifest> {
     if meta.world_size == 0 {
         return Err(Error::Usage("commit needs world_size >= 1".into()));
     }
-    if tmp != temp_dir_for(final_dir)? {
+    let ours = super::staging::target_of(tmp).is_some_and(|t| {
+        t.file_name() == final_dir.file_name() && parent_of(&t) == parent_of(final_dir)
+    });
+    if !ours {
         return Err(Error::Usage(format!(
-            "{} is not the folder begin() made for {}",
+            "{} is not a folder begin() made for {}",
             tmp.display(),
             final_dir.display()
         )));
@@ -227,6 +217,17 @@ pub fn commit(tmp: &Path, final_dir: &Path, meta: ManifestMeta) -> Result<Manife
             ));
         }
     }
+    let done = finish(tmp, final_dir, meta);
+    match &done {
+        Ok(_) => super::staging::release(tmp),
+        Err(_) => {
+            let _ = abandon(tmp);
+        }
+    }
+    done
+}
+
+fn finish(tmp: &Path, final_dir: &Path, meta: ManifestMeta) -> Result<Manifest> {
     // Folders of a crashed save with a larger world, or an old manifest, must not be listed.
     let wanted: BTreeSet<String> = (0..meta.world_size).map(rank_dir).collect();
     for entry in std::fs::read_dir(tmp).map_err(io_at("listing", tmp))? {
@@ -242,9 +243,8 @@ pub fn commit(tmp: &Path, final_dir: &Path, meta: ManifestMeta) -> Result<Manife
             gone.map_err(io_at("removing stale", &p))?;
         }
     }
-    if final_dir.exists() {
+    if std::fs::symlink_metadata(final_dir).is_ok() {
         if verify(final_dir).is_ok() {
-            let _ = std::fs::remove_dir_all(tmp);
             return Err(bad(
                 final_dir,
                 "already holds a verified checkpoint; save under another name or delete it first",
@@ -272,7 +272,19 @@ pub fn commit(tmp: &Path, final_dir: &Path, meta: ManifestMeta) -> Result<Manife
         std::io::Write::write_all(w, &text).map_err(io_at("writing", &path))
     })?;
     sync_dir(tmp)?;
-    std::fs::rename(tmp, final_dir).map_err(io_at("renaming into place", final_dir))?;
+    rename_noreplace(tmp, final_dir).map_err(|e| {
+        if e.kind() == std::io::ErrorKind::AlreadyExists {
+            bad(
+                final_dir,
+                "appeared while this save was being written (another process saved there at \
+                 the same time); this save was discarded, nothing was merged: save under \
+                 another name",
+            )
+        } else {
+            Error::io(format!("renaming {} into place", final_dir.display()), e)
+        }
+    })?;
+    crash_point(&format!("renamed into place {}", final_dir.display()));
     sync_dir(&parent_of(final_dir))?;
     Ok(manifest)
 }
@@ -289,6 +301,17 @@ pub fn read_rank(dir: &Path, rank: usize) -> Result<RankState> {
 /// checked, not loaded (their `tensors` come back empty): for components that
 /// [`stream_tensors`] will set in place.
 pub fn read_rank_with(dir: &Path, rank: usize, keep: impl Fn(&str) -> bool) -> Result<RankState> {
+    read_rank_listed(dir, rank, keep).map(|(state, _)| state)
+}
+
+/// Like [`read_rank_with`], and also returns what each component's tensor file holds (names,
+/// dtypes, shapes), so skipped components can be checked against live objects without a
+/// second read.
+pub fn read_rank_listed(
+    dir: &Path,
+    rank: usize,
+    keep: impl Fn(&str) -> bool,
+) -> Result<(RankState, BTreeMap<String, Listing>)> {
     let m = read_manifest(dir)?;
     if rank >= m.world_size {
         return Err(bad(
@@ -327,7 +350,7 @@ pub fn read_rank_with(dir: &Path, rank: usize, keep: impl Fn(&str) -> bool) -> R
     let read = |name: &str| -> Result<Vec<u8>> {
         let e = entry(name)?;
         let path = dir.join(&e.path);
-        let bytes = std::fs::read(&path).map_err(io_at("reading", &path))?;
+        let bytes = read_regular(&path, false)?;
         check_entry(dir, e, bytes.len() as u64, crc32fast::hash(&bytes))?;
         Ok(bytes)
     };
@@ -335,13 +358,15 @@ pub fn read_rank_with(dir: &Path, rank: usize, keep: impl Fn(&str) -> bool) -> R
     let index: RankIndex = serde_json::from_slice(&read(RANK_INDEX)?)
         .map_err(|e| bad(&index_path, format!("is not a rank index ({e})")))?;
     let mut components = Vec::with_capacity(index.components.len());
+    let mut listings = BTreeMap::new();
     for name in index.components {
         check_component_name(&name)?;
         let e = entry(&format!("{name}.safetensors"))?;
         let mut tensors = Vec::new();
         let wanted = keep(&name);
-        format::read_tensors(
+        let header = format::read_tensors(
             &dir.join(&e.path),
+            false,
             Some((e.size, e.crc32)),
             &Device::Cpu,
             |_| wanted,
@@ -357,13 +382,75 @@ pub fn read_rank_with(dir: &Path, rank: usize, keep: impl Fn(&str) -> bool) -> R
                 format!("is not valid JSON ({e})"),
             )
         })?;
+        let listing = header
+            .tensors
+            .iter()
+            .map(|t| (t.name.clone(), t.dtype, t.shape.clone()))
+            .collect();
+        listings.insert(name.clone(), listing);
         components.push(Component {
             name,
             tensors,
             json,
         });
     }
-    Ok(RankState { components })
+    Ok((RankState { components }, listings))
+}
+
+/// Names, dtypes and shapes of the tensors in a component's file.
+pub type Listing = Vec<(String, candle_core::DType, Vec<usize>)>;
+
+fn component_file(dir: &Path, rank: usize, component: &str) -> Result<(PathBuf, FileEntry)> {
+    check_component_name(component)?;
+    let m = read_manifest(dir)?;
+    let rel = format!("{}/{component}.safetensors", rank_dir(rank));
+    let e = m
+        .files
+        .into_iter()
+        .find(|e| e.path == rel)
+        .ok_or_else(|| bad(&dir.join(&rel), "is missing from the manifest"))?;
+    safe_rel(dir, &e.path)?;
+    Ok((dir.join(&e.path), e))
+}
+
+/// Reads rank `rank`'s component file once to check its size and checksum against the
+/// manifest, keeping no tensor, and returns what it holds: the first half of
+/// [`stream_tensors`], for a caller that checks everything before changing anything.
+pub fn check_tensors(dir: &Path, rank: usize, component: &str) -> Result<Listing> {
+    let (path, e) = component_file(dir, rank, component)?;
+    let header = format::read_tensors(
+        &path,
+        false,
+        Some((e.size, e.crc32)),
+        &Device::Cpu,
+        |_| false,
+        |_, _| Ok(()),
+    )?;
+    Ok(header
+        .tensors
+        .iter()
+        .map(|t| (t.name.clone(), t.dtype, t.shape.clone()))
+        .collect())
+}
+
+/// Hands each tensor of a component already checked by [`check_tensors`] to `take`, one at a
+/// time (memory stays near one tensor).
+pub fn stream_checked(
+    dir: &Path,
+    rank: usize,
+    component: &str,
+    mut take: impl FnMut(&str, Tensor) -> Result<()>,
+) -> Result<()> {
+    let (path, _) = component_file(dir, rank, component)?;
+    format::read_tensors(
+        &path,
+        false,
+        None,
+        &Device::Cpu,
+        |_| true,
+        |info, t| take(&info.name, t),
+    )?;
+    Ok(())
 }
 
 /// Hands each tensor of rank `rank`'s component `component` to `take`, one at a time (memory
@@ -375,82 +462,8 @@ pub fn stream_tensors(
     rank: usize,
     component: &str,
     check: impl FnOnce(&[(String, candle_core::DType, Vec<usize>)]) -> Result<()>,
-    mut take: impl FnMut(&str, Tensor) -> Result<()>,
+    take: impl FnMut(&str, Tensor) -> Result<()>,
 ) -> Result<()> {
-    check_component_name(component)?;
-    let m = read_manifest(dir)?;
-    let rel = format!("{}/{component}.safetensors", rank_dir(rank));
-    let e = m
-        .files
-        .iter()
-        .find(|e| e.path == rel)
-        .ok_or_else(|| bad(&dir.join(&rel), "is missing from the manifest"))?;
-    safe_rel(dir, &e.path)?;
-    let path = dir.join(&e.path);
-    let header = format::read_tensors(
-        &path,
-        Some((e.size, e.crc32)),
-        &Device::Cpu,
-        |_| false,
-        |_, _| Ok(()),
-    )?;
-    let listing: Vec<(String, candle_core::DType, Vec<usize>)> = header
-        .tensors
-        .iter()
-        .map(|t| (t.name.clone(), t.dtype, t.shape.clone()))
-        .collect();
-    check(&listing)?;
-    format::read_tensors(
-        &path,
-        None,
-        &Device::Cpu,
-        |_| true,
-        |info, t| take(&info.name, t),
-    )?;
-    Ok(())
-}
-
-/// What [`clean_stale`] did in a folder.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Cleaned {
-    /// Temporary folders of crashed saves that were deleted.
-    pub removed: Vec<PathBuf>,
-    /// Saves that crashed after writing a verified manifest but before their rename, now
-    /// renamed into place.
-    pub recovered: Vec<PathBuf>,
-}
-
-/// Removes the temporary folders that crashed saves left in `parent`, and finishes saves that
-/// crashed between writing their manifest and renaming it into place.
-///
-/// Call it on the main process only, before a save begins (and before a barrier on N ranks).
-pub fn clean_stale(parent: &Path) -> Result<Cleaned> {
-    let mut done = Cleaned::default();
-    if !parent.is_dir() {
-        return Ok(done);
-    }
-    for entry in std::fs::read_dir(parent).map_err(io_at("listing", parent))? {
-        let entry = entry.map_err(io_at("listing", parent))?;
-        let name = entry.file_name().to_string_lossy().into_owned();
-        let path = entry.path();
-        if !path.is_dir() || !name.starts_with('.') {
-            continue;
-        }
-        if let Some(stem) = name.strip_suffix(".tmp").map(|s| &s[1..]) {
-            let target = parent.join(stem);
-            if !stem.is_empty() && !target.exists() && verify(&path).is_ok() {
-                std::fs::rename(&path, &target).map_err(io_at("renaming into place", &target))?;
-                done.recovered.push(target);
-                continue;
-            }
-        } else if !name.ends_with(".del") {
-            continue;
-        }
-        std::fs::remove_dir_all(&path).map_err(io_at("removing", &path))?;
-        done.removed.push(path);
-    }
-    if !done.removed.is_empty() || !done.recovered.is_empty() {
-        sync_dir(parent)?;
-    }
-    Ok(done)
+    check(&check_tensors(dir, rank, component)?)?;
+    stream_checked(dir, rank, component, take)
 }

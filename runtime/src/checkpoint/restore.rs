@@ -1,0 +1,434 @@
+//! Loading training state all or nothing.
+//!
+//! [`Accelerator::check_checkpoint`] reads every file this rank needs (rank 0's models and
+//! optimizers, its own loaders, RNG, scaler, partial sums and registered objects), checks each
+//! against the manifest's checksum, and parses and compares every piece with the live objects
+//! (component counts, tensor names, shapes and dtypes, the JSON of each position and state)
+//! without changing anything. Only when every rank's check passed does
+//! [`Accelerator::apply_plan`] change state: registered objects and optimizers first (each
+//! refusal undoes the ones already loaded), then the small pieces, and the model weights last,
+//! streamed from disk one tensor at a time so memory stays near one tensor.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Tensor};
+use serde_json::Value;
+
+use super::checks::{check_optimizer, check_scaler};
+use super::format::bad;
+use super::store::{self, Listing, RankState};
+use crate::accelerator::Accelerator;
+use crate::data::LoaderPosition;
+use crate::error::{Error, Result};
+use crate::rng::RngState;
+use crate::scaler::LossScaler;
+use crate::stateful::StateDict;
+
+/// Everything a load will apply, already read, parsed and checked.
+pub(crate) struct Plan {
+    dir: PathBuf,
+    optimizers: Vec<StateDict>,
+    loaders: Vec<LoaderPosition>,
+    rng: RngState,
+    auto_micro_step: u64,
+    scaler: Option<LossScaler>,
+    /// Per model, per variable: the partial gradient sum of a window saved mid-way.
+    sums: Vec<Vec<Option<Tensor>>>,
+    custom: Vec<StateDict>,
+}
+
+fn state_of(s: &RankState, name: &str) -> Option<StateDict> {
+    s.get(name).map(|c| StateDict {
+        tensors: c.tensors.clone(),
+        json: c.json.clone(),
+    })
+}
+
+/// A copy that shares no storage with the live object, to undo a load with.
+fn deep_copy(s: StateDict) -> Result<StateDict> {
+    let tensors = s
+        .tensors
+        .into_iter()
+        .map(|(n, t)| Ok((n, t.copy()?)))
+        .collect::<Result<Vec<_>>>()?;
+    Ok(StateDict {
+        tensors,
+        json: s.json,
+    })
+}
+
+/// Counts of each kind of component, for comparing a checkpoint with the prepared objects.
+#[derive(Debug, PartialEq, Eq, Default)]
+struct Counts {
+    models: usize,
+    optimizers: usize,
+    loaders: usize,
+    registered: usize,
+}
+
+impl Counts {
+    fn describe(&self) -> String {
+        format!(
+            "{} model(s), {} optimizer(s), {} data loader(s) and {} registered object(s)",
+            self.models, self.optimizers, self.loaders, self.registered
+        )
+    }
+}
+
+impl Accelerator {
+    fn live_counts(&self) -> Counts {
+        Counts {
+            models: self.models.len(),
+            optimizers: self.optimizers.len(),
+            loaders: self.loaders.len(),
+            registered: self.registered.len(),
+        }
+    }
+
+    /// The component names rank `rank` saves, given the prepared objects.
+    fn expected_components(&self, rank: usize) -> BTreeSet<String> {
+        let mut out = BTreeSet::from(["rng".to_string(), "training".to_string()]);
+        fn n(prefix: &'static str, k: usize) -> impl Iterator<Item = String> {
+            (0..k).map(move |i| format!("{prefix}_{i}"))
+        }
+        if rank == 0 {
+            out.extend(n("model", self.models.len()));
+            out.extend(n("optimizer", self.optimizers.len()));
+        }
+        out.extend(n("loader", self.loaders.len()));
+        out.extend(n("custom", self.registered.len()));
+        out
+    }
+
+    /// Refuses a rank's state whose components are not exactly the ones this run saves.
+    fn check_components(&self, dir: &Path, rank: usize, s: &RankState) -> Result<()> {
+        let found: BTreeSet<String> = s.components.iter().map(|c| c.name.clone()).collect();
+        let want = self.expected_components(rank);
+        if found == want {
+            return Ok(());
+        }
+        let count = |p: &str| found.iter().filter(|n| n.starts_with(p)).count();
+        let mut saved = Counts {
+            loaders: count("loader_"),
+            registered: count("custom_"),
+            ..Counts::default()
+        };
+        let mut live = self.live_counts();
+        if rank == 0 {
+            saved.models = count("model_");
+            saved.optimizers = count("optimizer_");
+        } else {
+            (live.models, live.optimizers) = (0, 0);
+        }
+        let msg = if saved != live {
+            format!(
+                "holds {} for rank {rank} but this run prepared {}; prepare and register the \
+                 same objects, in the same order, as the run that saved it before load_state",
+                saved.describe(),
+                live.describe()
+            )
+        } else {
+            let odd: Vec<&String> = found.symmetric_difference(&want).collect();
+            format!("has components {odd:?} for rank {rank} that this run does not save or expects but does not find; was it saved by this program?")
+        };
+        Err(bad(dir, msg))
+    }
+
+    /// Checks every tensor of model `i` in the checkpoint against the live variables.
+    fn check_model(&self, dir: &Path, i: usize, listing: &Listing) -> Result<()> {
+        let m = &self.models[i];
+        let file = dir.join(format!("rank0/model_{i}.safetensors"));
+        for (name, master) in m.names.iter().zip(&m.master) {
+            match listing.iter().find(|(n, _, _)| n == name) {
+                None => {
+                    return Err(bad(
+                        &file,
+                        format!("has no `{name}`: was it saved by this model?"),
+                    ))
+                }
+                Some((_, dtype, shape)) if shape.as_slice() != master.dims() || *dtype != master.dtype() => {
+                    return Err(bad(
+                        &file,
+                        format!(
+                            "has `{name}` as {dtype:?} {shape:?} but the model's is {:?} {:?}; was it saved by this model?",
+                            master.dtype(),
+                            master.dims()
+                        ),
+                    ))
+                }
+                Some(_) => {}
+            }
+        }
+        if let Some((extra, _, _)) = listing.iter().find(|(n, _, _)| !m.names.contains(n)) {
+            return Err(bad(
+                &file,
+                format!(
+                    "has `{extra}`, which model {i} does not have: was it saved by this model?"
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Reads and checks everything this rank would load from `dir`; changes nothing.
+    pub(crate) fn check_checkpoint(&self, dir: &Path) -> Result<Plan> {
+        self.plan_checkpoint(dir).map_err(|e| match e {
+            Error::Checkpoint { path, msg } => Error::Checkpoint {
+                path,
+                msg: format!("{msg} (nothing was loaded)"),
+            },
+            other => other,
+        })
+    }
+
+    fn plan_checkpoint(&self, dir: &Path) -> Result<Plan> {
+        let manifest = store::read_manifest(dir)?;
+        if manifest.world_size != self.num_processes() {
+            return Err(bad(
+                dir,
+                format!(
+                    "was saved by {} processes but this run has {}; resume with `ivme launch --num_processes {}`",
+                    manifest.world_size,
+                    self.num_processes(),
+                    manifest.world_size
+                ),
+            ));
+        }
+        let rank = self.process_index();
+        // Model weights are only checksummed and listed here; they stream in after every check.
+        let (shared, listings) = store::read_rank_listed(dir, 0, |c| !c.starts_with("model_"))?;
+        self.check_components(dir, 0, &shared)?;
+        let mine = if rank == 0 {
+            shared.clone()
+        } else {
+            let (s, _) = store::read_rank_listed(dir, rank, |_| true)?;
+            self.check_components(dir, rank, &s)?;
+            s
+        };
+        let file = |name: &str| dir.join(format!("rank{rank}/{name}.json"));
+        for (i, listing) in (0..self.models.len()).map(|i| (i, &listings[&format!("model_{i}")])) {
+            self.check_model(dir, i, listing)?;
+        }
+        let mut optimizers = Vec::new();
+        let vars = self.named_master_vars();
+        for i in 0..self.optimizers.len() {
+            let name = format!("optimizer_{i}");
+            let saved =
+                state_of(&shared, &name).ok_or_else(|| bad(dir, format!("has no `{name}`")))?;
+            check_optimizer(dir, &name, &saved, &vars)?;
+            optimizers.push(saved);
+        }
+        let parse = |name: &str, what: &str| -> Result<Value> {
+            mine.get(name)
+                .map(|c| c.json.clone())
+                .ok_or_else(|| bad(&file(name), format!("is missing: it should hold {what}")))
+        };
+        let typed = |name: &str, what: &str, err: serde_json::Error| {
+            bad(&file(name), format!("is not {what} ({err})"))
+        };
+        let mut loaders = Vec::new();
+        for i in 0..self.loaders.len() {
+            let name = format!("loader_{i}");
+            let what = "a data loader position (epoch, seed, consumed)";
+            let pos: LoaderPosition =
+                serde_json::from_value(parse(&name, what)?).map_err(|e| typed(&name, what, e))?;
+            loaders.push(pos);
+        }
+        let what = "an RNG state (a 32-byte seed and a word position)";
+        let rng: RngState =
+            serde_json::from_value(parse("rng", what)?).map_err(|e| typed("rng", what, e))?;
+        let training = mine
+            .get("training")
+            .ok_or_else(|| bad(&file("training"), "is missing"))?;
+        let auto_micro_step = training.json["auto_micro_step"].as_u64().ok_or_else(|| {
+            bad(
+                &file("training"),
+                "has no `auto_micro_step` (a non-negative integer)",
+            )
+        })?;
+        let what = "a loss scaler (scale, growth_factor, backoff_factor, growth_interval, good_steps, skipped_steps) or null";
+        let scaler: Option<LossScaler> =
+            serde_json::from_value(training.json.get("scaler").cloned().unwrap_or(Value::Null))
+                .map_err(|e| bad(&file("training"), format!("`scaler` is not {what} ({e})")))?;
+        check_scaler(&file("training"), scaler.as_ref(), self.scaler.is_some())?;
+        let sums = self.check_sums(
+            &dir.join(format!("rank{rank}/training.safetensors")),
+            &training.tensors,
+        )?;
+        let mut custom = Vec::new();
+        for i in 0..self.registered.len() {
+            let name = format!("custom_{i}");
+            custom.push(state_of(&mine, &name).ok_or_else(|| bad(&file(&name), "is missing"))?);
+        }
+        Ok(Plan {
+            dir: dir.to_path_buf(),
+            optimizers,
+            loaders,
+            rng,
+            auto_micro_step,
+            scaler,
+            sums,
+            custom,
+        })
+    }
+
+    /// Places each saved partial sum (`{model}::{variable}`) after checking it fits.
+    fn check_sums(
+        &self,
+        file: &Path,
+        saved: &[(String, Tensor)],
+    ) -> Result<Vec<Vec<Option<Tensor>>>> {
+        let mut out: Vec<Vec<Option<Tensor>>> = self
+            .models
+            .iter()
+            .map(|m| vec![None; m.names.len()])
+            .collect();
+        for (key, t) in saved {
+            let place = key.split_once("::").and_then(|(i, name)| {
+                let i: usize = i.parse().ok()?;
+                let j = self.models.get(i)?.names.iter().position(|n| n == name)?;
+                Some((i, j))
+            });
+            let Some((i, j)) = place else {
+                return Err(bad(
+                    file,
+                    format!(
+                        "holds a partial gradient sum `{key}` for no variable of this run's models"
+                    ),
+                ));
+            };
+            let master = &self.models[i].master[j];
+            if t.dims() != master.dims() || t.dtype() != DType::F32 {
+                return Err(bad(
+                    file,
+                    format!("holds the partial gradient sum `{key}` as {:?} {:?} but the variable is F32 {:?}", t.dtype(), t.dims(), master.dims()),
+                ));
+            }
+            out[i][j] = Some(t.to_device(master.device())?);
+        }
+        Ok(out)
+    }
+
+    /// Applies a plan that every rank checked: all of it, or (when an object refuses its
+    /// state) none of it.
+    pub(crate) fn apply_plan(&mut self, plan: Plan) -> Result<()> {
+        let Plan {
+            dir,
+            optimizers,
+            loaders,
+            rng,
+            auto_micro_step,
+            scaler,
+            sums,
+            custom,
+        } = plan;
+        self.load_undoably(&dir, &custom, &optimizers)?;
+        for (shared, pos) in self.loaders.iter().zip(loaders) {
+            *shared.lock() = pos;
+        }
+        *self.rng.lock() = crate::rng::Rng::from_state(rng);
+        self.grad_state.set_auto_index(auto_micro_step);
+        self.scaler = scaler;
+        for (m, s) in self.models.iter_mut().zip(sums) {
+            m.sums = s;
+        }
+        for i in 0..self.models.len() {
+            let m = &self.models[i];
+            let set = |name: &str, t: Tensor| -> Result<()> {
+                let Some(j) = m.names.iter().position(|n| n == name) else {
+                    return Ok(());
+                };
+                let (master, compute) = (&m.master[j], &m.compute[j]);
+                master.set(&t.to_dtype(master.dtype())?.to_device(master.device())?)?;
+                if compute.as_tensor().id() != master.as_tensor().id() {
+                    compute.set(&master.as_tensor().to_dtype(compute.dtype())?)?;
+                }
+                Ok(())
+            };
+            store::stream_checked(&dir, 0, &format!("model_{i}"), set).map_err(|e| {
+                bad(
+                    &dir,
+                    format!(
+                        "changed on disk after it was checked, while model {i}'s weights were \
+                         being read ({e}); the weights are partly loaded: load a checkpoint \
+                         again before training"
+                    ),
+                )
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Loads registered objects, then optimizers; if one refuses, the ones already loaded get
+    /// their previous state back. Only objects followed by another are copied for that, so a
+    /// single optimizer (the usual case) costs no extra memory.
+    fn load_undoably(
+        &mut self,
+        dir: &Path,
+        custom: &[StateDict],
+        optimizers: &[StateDict],
+    ) -> Result<()> {
+        let mut undo_custom: Vec<(usize, StateDict)> = Vec::new();
+        let mut undo_opt: Vec<(usize, StateDict)> = Vec::new();
+        let total = custom.len() + optimizers.len();
+        let mut result = Ok(());
+        for (k, state) in custom.iter().chain(optimizers).enumerate() {
+            let (is_custom, i) = if k < custom.len() {
+                (true, k)
+            } else {
+                (false, k - custom.len())
+            };
+            let target = if is_custom {
+                &mut self.registered[i]
+            } else {
+                &mut self.optimizers[i]
+            };
+            let before = if k + 1 < total {
+                // ivme's optimizers hand out copies already; other objects may hand out views.
+                let snapshot = if is_custom {
+                    target.state_dict().and_then(deep_copy)
+                } else {
+                    target.state_dict()
+                };
+                match snapshot {
+                    Ok(b) => Some(b),
+                    Err(e) => {
+                        result = Err(e);
+                        break;
+                    }
+                }
+            } else {
+                None
+            };
+            if let Err(e) = target.load_state_dict(state) {
+                let what = if is_custom {
+                    format!("registered object {i} (custom_{i})")
+                } else {
+                    format!("optimizer {i}")
+                };
+                result = Err(bad(
+                    dir,
+                    format!("was refused by {what}: {e} (nothing was loaded)"),
+                ));
+                break;
+            }
+            if let Some(b) = before {
+                if is_custom {
+                    undo_custom.push((i, b))
+                } else {
+                    undo_opt.push((i, b))
+                }
+            }
+        }
+        if result.is_err() {
+            for (i, s) in undo_opt.iter().rev() {
+                let _ = self.optimizers[*i].load_state_dict(s);
+            }
+            for (i, s) in undo_custom.iter().rev() {
+                let _ = self.registered[*i].load_state_dict(s);
+            }
+        }
+        result
+    }
+}
