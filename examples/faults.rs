@@ -145,6 +145,8 @@ fn train_with_macro(
     )?;
     let rank = accelerator.process_index();
     let mut step = 0;
+    // A counter, not `enumerate()`: the attribute shards plain collection loops.
+    #[allow(clippy::explicit_counter_loop)]
     for (x, y) in batches {
         if rank == fail_rank && step == at {
             return Err(candle_core::Error::Msg(format!(

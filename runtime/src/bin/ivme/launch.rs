@@ -153,10 +153,21 @@ fn run_once(inv: &Invocation) -> Result<Ended> {
     }
     let mut cmd = Command::new(&inv.argv[0]);
     cmd.args(&inv.argv[1..]).envs(inv.env.iter().cloned());
+    if let Some(dir) = &inv.status_dir {
+        // Open MPI keeps its session files under one folder per user and machine, which two
+        // jobs starting and ending at once race to create and remove; each launch gets its
+        // own (inside the status folder, removed with it) unless the user chose one.
+        if std::env::var_os(SESSION_DIR_VAR).is_none() {
+            cmd.env(SESSION_DIR_VAR, dir);
+        }
+    }
     let outcome = process::supervise(&mut cmd)
         .map_err(|e| Error::io(format!("starting `{}`", inv.argv[0]), e))?;
     report(inv, outcome)
 }
+
+/// Open MPI's parameter for the folder its session files go under.
+const SESSION_DIR_VAR: &str = "OMPI_MCA_orte_tmpdir_base";
 
 /// Tells the user which rank failed and picks the launcher's exit code.
 fn report(inv: &Invocation, outcome: Outcome) -> Result<Ended> {
