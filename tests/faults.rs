@@ -232,16 +232,35 @@ fn a_stopped_rank_times_out_its_peers_who_name_it() {
 #[test]
 fn ranks_that_drift_apart_fail_instead_of_mixing_steps() {
     for (n, rank) in layouts() {
-        // One backward fewer on one rank: the gradient syncs no longer line up.
-        let what = format!("skipped backward on rank {rank} of {n}");
-        let e = run(n, &["mode=skip", &format!("rank={rank}")]);
-        failed_promptly(&e, &what);
-        assert!(
-            e.output.contains("does not line up across ranks"),
-            "{what}: the gradient sync must notice at once\n{}",
-            e.output
-        );
-        assert!(!e.output.contains("rank 0 done"), "{what}\n{}", e.output);
+        // One backward fewer on one rank: its gradient syncs see other batches than the
+        // others'. One extra wait_for_everyone: a barrier meets a gradient sync.
+        for (mode, odd) in [
+            ("skip", "after batch 4 of the epoch"),
+            ("barrier", "barrier (wait_for_everyone)"),
+        ] {
+            let what = format!("{mode} on rank {rank} of {n}");
+            let e = run(n, &[&format!("mode={mode}"), &format!("rank={rank}")]);
+            failed_promptly(&e, &what);
+            assert!(
+                e.output
+                    .contains("the collectives do not line up across ranks"),
+                "{what}: the next collective must notice at once\n{}",
+                e.output
+            );
+            assert!(
+                e.output.contains(&format!(
+                    "rank {rank} is at collective #6 ({}",
+                    if mode == "skip" {
+                        "gradient"
+                    } else {
+                        "barrier"
+                    }
+                )) && e.output.contains(odd),
+                "{what}: must say what the odd rank was doing\n{}",
+                e.output
+            );
+            assert!(!e.output.contains(" done"), "{what}\n{}", e.output);
+        }
     }
 }
 

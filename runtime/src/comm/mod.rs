@@ -8,6 +8,8 @@ use candle_core::Tensor;
 
 #[cfg(feature = "mpi")]
 mod mpi;
+#[cfg(feature = "mpi")]
+mod ops;
 mod single;
 #[cfg(feature = "mpi")]
 mod watch;

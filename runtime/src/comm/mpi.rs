@@ -3,11 +3,14 @@
 //! MPI has no f16/bf16 types, so low-precision tensors travel as f32 and come back in their
 //! own dtype. Tensors on a GPU are staged through host memory.
 //!
-//! Every collective is non-blocking underneath and waited for by the job's [`Watch`], which
-//! gives it a deadline and ends it early when a peer failed or left; dropping the communicator
-//! finalizes MPI only after every rank said goodbye, so a failing rank never hangs the job.
+//! Before every collective the ranks exchange arrival tokens under the job's [`Watch`], which
+//! gives the wait a deadline, ends it early when a peer failed or left, and fails when the
+//! ranks are at different calls; only then does the data move, with MPI's blocking
+//! collectives (all ranks are known to be in them). Dropping the communicator finalizes MPI
+//! only after every rank said goodbye, so a failing rank never hangs the job.
 
-use super::watch::{Ending, Op, OpKind, Watch};
+use super::ops::{describe, Op, OpKind};
+use super::watch::{Ending, Watch};
 use super::{CommOptions, Communicator, ReduceOp};
 use crate::error::{Error, Result};
 use candle_core::{DType, Device, Tensor};
@@ -63,12 +66,14 @@ impl MpiComm {
     }
 
     /// Runs one collective under the watch: numbered, compared across ranks in debug mode,
-    /// and counted as done only when it completed.
+    /// started only once every rank arrived at the same call, and counted as done only when it
+    /// completed.
     fn collective<T>(&self, op: Op, f: impl FnOnce() -> Result<T>) -> Result<T> {
         let seq = self.watch.enter(op)?;
         if self.watch.debug_sync {
             self.compare(seq, op)?;
         }
+        self.watch.arrive()?;
         let out = f()?;
         self.watch.leave_op();
         Ok(out)
@@ -76,16 +81,28 @@ impl MpiComm {
 
     /// Debug mode: every rank shows the others which call it is at before making it.
     fn compare(&self, seq: u64, op: Op) -> Result<()> {
-        let mine = [seq, op.kind as u64, op.count, op.root, op.position];
-        let all = self.gather(mine.to_vec(), vec![0u64; 5 * self.world_size()])?;
+        let mine = vec![seq, op.kind as u64, op.count, op.root, op.position];
+        let n = self.world_size();
+        let mut all = vec![0u64; 5 * n];
+        // Non-blocking with the deadline: the peers may not have arrived yet.
+        let res = mpi::request::scope(|s| {
+            let req = self
+                .world
+                .immediate_all_gather_into(s, &mine[..], &mut all[..]);
+            self.watch.wait(req)
+        });
+        let (mine, all) = keep_or_leak(res, (mine, all))?;
         let rows: Vec<&[u64]> = all.chunks(5).collect();
-        if rows.iter().all(|r| *r == mine) {
+        if rows.iter().all(|r| **r == mine[..]) {
             return Ok(());
         }
         let each: Vec<String> = rows
             .iter()
             .enumerate()
-            .map(|(r, row)| format!("rank {r} is at {}", describe(row)))
+            .map(|(r, row)| {
+                let token = [row[0], row[1], row[2], row[3], row[4]];
+                format!("rank {r} is at {}", describe(&token))
+            })
             .collect();
         Err(self.watch.fail(format!(
             "the ranks are not at the same collective (IVME_DEBUG_SYNC): {}; every rank must \
@@ -94,43 +111,31 @@ impl MpiComm {
         )))
     }
 
-    fn all_reduce_vec<T>(&self, send: Vec<T>, op: ReduceOp) -> Result<Vec<T>>
+    // Below, every rank is known to be in the same call (see `Watch::arrive`): the data moves
+    // with MPI's blocking collectives.
+
+    fn all_reduce_vec<T>(&self, send: Vec<T>, op: ReduceOp) -> Vec<T>
     where
         T: Equivalence + Clone + Default,
     {
         let mut recv = vec![T::default(); send.len()];
-        let op = Self::op(op);
-        let res = mpi::request::scope(|s| {
-            let req = self
-                .world
-                .immediate_all_reduce_into(s, &send[..], &mut recv[..], op);
-            self.watch.wait(req)
-        });
-        keep_or_leak(res, (send, recv)).map(|(_, recv)| recv)
+        self.world
+            .all_reduce_into(&send[..], &mut recv[..], Self::op(op));
+        recv
     }
 
-    fn bcast_vec<T: Equivalence>(&self, mut buf: Vec<T>, root: usize) -> Result<Vec<T>> {
-        let root = self.world.process_at_rank(root as i32);
-        let res = mpi::request::scope(|s| {
-            let req = root.immediate_broadcast_into(s, &mut buf[..]);
-            self.watch.wait(req)
-        });
-        keep_or_leak(res, buf)
+    fn bcast_vec<T: Equivalence>(&self, mut buf: Vec<T>, root: usize) -> Vec<T> {
+        self.world
+            .process_at_rank(root as i32)
+            .broadcast_into(&mut buf[..]);
+        buf
     }
 
-    fn gather<T: Equivalence>(&self, send: Vec<T>, mut recv: Vec<T>) -> Result<Vec<T>> {
-        let res = mpi::request::scope(|s| {
-            let req = self
-                .world
-                .immediate_all_gather_into(s, &send[..], &mut recv[..]);
-            self.watch.wait(req)
-        });
-        keep_or_leak(res, (send, recv)).map(|(_, recv)| recv)
-    }
-
-    fn gather_bytes(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
+    fn gather_bytes(&self, bytes: &[u8]) -> Vec<Vec<u8>> {
         let n = self.world_size();
-        let counts = self.gather(vec![bytes.len() as Count], vec![0 as Count; n])?;
+        let mut counts = vec![0 as Count; n];
+        self.world
+            .all_gather_into(&(bytes.len() as Count), &mut counts[..]);
         let displs: Vec<Count> = counts
             .iter()
             .scan(0, |acc, &c| {
@@ -140,27 +145,20 @@ impl MpiComm {
             })
             .collect();
         let total: Count = counts.iter().sum();
-        let send = bytes.to_vec();
         let mut recv = vec![0u8; total as usize];
-        let res = {
+        {
             let mut part = PartitionMut::new(&mut recv[..], &counts[..], &displs[..]);
-            mpi::request::scope(|s| {
-                let req = self
-                    .world
-                    .immediate_all_gather_varcount_into(s, &send[..], &mut part);
-                self.watch.wait(req)
-            })
-        };
-        let (_, recv, counts, displs) = keep_or_leak(res, (send, recv, counts, displs))?;
-        Ok(counts
+            self.world.all_gather_varcount_into(bytes, &mut part);
+        }
+        counts
             .iter()
             .zip(&displs)
             .map(|(&c, &d)| recv[d as usize..(d + c) as usize].to_vec())
-            .collect())
+            .collect()
     }
 
     fn reduce_f32(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
-        let recv = self.all_reduce_vec(host_f32(t)?, op)?;
+        let recv = self.all_reduce_vec(host_f32(t)?, op);
         back(self.mean(recv, op), t)
     }
 
@@ -182,19 +180,6 @@ fn keep_or_leak<B>(res: Result<()>, buffers: B) -> Result<B> {
             forget(buffers);
             Err(e)
         }
-    }
-}
-
-fn describe(row: &[u64]) -> String {
-    let op = OpKind::from_code(row[1]).map(|kind| Op {
-        kind,
-        count: row[2],
-        root: row[3],
-        position: row[4],
-    });
-    match op {
-        Some(op) => format!("collective #{} ({op})", row[0] + 1),
-        None => format!("collective #{} (an unknown call)", row[0] + 1),
     }
 }
 
@@ -236,7 +221,7 @@ impl Communicator for MpiComm {
         };
         self.collective(desc, || match t.dtype() {
             DType::F64 => {
-                let mut recv = self.all_reduce_vec(t.flatten_all()?.to_vec1::<f64>()?, op)?;
+                let mut recv = self.all_reduce_vec(t.flatten_all()?.to_vec1::<f64>()?, op);
                 if op == ReduceOp::Mean {
                     let n = self.world_size() as f64;
                     recv.iter_mut().for_each(|x| *x /= n);
@@ -245,7 +230,7 @@ impl Communicator for MpiComm {
             }
             dt if is_int(dt) => {
                 let send = t.to_dtype(DType::I64)?.flatten_all()?.to_vec1::<i64>()?;
-                let recv = self.all_reduce_vec(send, op)?;
+                let recv = self.all_reduce_vec(send, op);
                 let r = Tensor::from_vec(recv, t.shape(), &Device::Cpu)?;
                 Ok(r.to_dtype(t.dtype())?.to_device(t.device())?)
             }
@@ -260,34 +245,9 @@ impl Communicator for MpiComm {
             root: 0,
             position,
         };
-        let seq = self.watch.enter(desc)?;
-        if self.watch.debug_sync {
-            self.compare(seq, desc)?;
-        }
-        // Two small integers ride along: a hash of how many collectives this rank ran before and
-        // where its data stands, folded to 1..=16, and its square. Their sums (exact in f32)
-        // equal n·v and n·v² only if every rank has the same v, so ranks that drifted apart
-        // cannot average gradients of different steps unnoticed (a drift that hashes alike
-        // is caught at a later step, or when the ranks end a collective apart).
-        let v = (crate::rng::mix(seq, position) % 16 + 1) as f32;
-        let mut send = host_f32(t)?;
-        send.extend([v, v * v]);
-        let mut recv = self.all_reduce_vec(send, ReduceOp::Sum)?;
-        let n = self.world_size() as f32;
-        let (sum_sq, sum) = (recv.pop().unwrap_or(0.0), recv.pop().unwrap_or(0.0));
-        if sum != n * v || sum_sq != n * v * v {
-            return Err(self.watch.fail(format!(
-                "the gradient sync on rank {} (collective #{}) does not line up across ranks: \
-                 they reached it after different numbers of collectives or at different batches \
-                 (a rank ran an extra or a missing backward, batch or wait_for_everyone), so \
-                 averaging would mix gradients of different steps; rerun with \
-                 IVME_DEBUG_SYNC=1 to see what each rank was doing",
-                self.rank(),
-                seq + 1
-            )));
-        }
-        self.watch.leave_op();
-        back(self.mean(recv, op), t)
+        // The position travels in the arrival token: ranks whose data stands at different
+        // batches fail here instead of averaging gradients of different steps.
+        self.collective(desc, || self.reduce_f32(t, op))
     }
 
     fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
@@ -299,17 +259,17 @@ impl Communicator for MpiComm {
         };
         self.collective(desc, || match t.dtype() {
             DType::F64 => {
-                let data = self.bcast_vec(t.flatten_all()?.to_vec1::<f64>()?, root)?;
+                let data = self.bcast_vec(t.flatten_all()?.to_vec1::<f64>()?, root);
                 Ok(Tensor::from_vec(data, t.shape(), &Device::Cpu)?.to_device(t.device())?)
             }
             dt if is_int(dt) => {
                 let data = t.to_dtype(DType::I64)?.flatten_all()?.to_vec1::<i64>()?;
-                let data = self.bcast_vec(data, root)?;
+                let data = self.bcast_vec(data, root);
                 let r = Tensor::from_vec(data, t.shape(), &Device::Cpu)?;
                 Ok(r.to_dtype(t.dtype())?.to_device(t.device())?)
             }
             // f16/bf16 widen to f32 exactly, so the round trip is lossless.
-            _ => back(self.bcast_vec(host_f32(t)?, root)?, t),
+            _ => back(self.bcast_vec(host_f32(t)?, root), t),
         })
     }
 
@@ -327,7 +287,7 @@ impl Communicator for MpiComm {
                 .iter()
                 .flat_map(|d| (*d as u64).to_le_bytes())
                 .collect();
-            let all_dims = self.gather_bytes(&dims)?;
+            let all_dims = self.gather_bytes(&dims);
             if let Some((r, _)) = all_dims.iter().enumerate().find(|(_, d)| **d != dims) {
                 return Err(Error::Comm(format!(
                     "all_gather: rank {} has shape {:?} but rank {r} has another; pad with \
@@ -337,8 +297,8 @@ impl Communicator for MpiComm {
                 )));
             }
             let send = host_f32(t)?;
-            let recv = vec![0f32; send.len() * self.world_size()];
-            let recv = self.gather(send, recv)?;
+            let mut recv = vec![0f32; send.len() * self.world_size()];
+            self.world.all_gather_into(&send[..], &mut recv[..]);
             let mut dims = t.dims().to_vec();
             if dims.is_empty() {
                 dims.push(self.world_size());
@@ -358,7 +318,7 @@ impl Communicator for MpiComm {
             position: 0,
         };
         self.collective(desc, || {
-            let len = self.bcast_vec(vec![bytes.len() as u64], root)?[0];
+            let len = self.bcast_vec(vec![bytes.len() as u64], root)[0];
             let buf = if self.rank() == root {
                 bytes
             } else {
@@ -367,7 +327,7 @@ impl Communicator for MpiComm {
             if len == 0 {
                 return Ok(buf);
             }
-            self.bcast_vec(buf, root)
+            Ok(self.bcast_vec(buf, root))
         })
     }
 
@@ -378,7 +338,7 @@ impl Communicator for MpiComm {
             root: 0,
             position: 0,
         };
-        self.collective(desc, || self.gather_bytes(bytes))
+        self.collective(desc, || Ok(self.gather_bytes(bytes)))
     }
 
     fn barrier(&self) -> Result<()> {
@@ -388,7 +348,8 @@ impl Communicator for MpiComm {
             root: 0,
             position: 0,
         };
-        self.collective(desc, || self.watch.wait(self.world.immediate_barrier()))
+        // Every rank arriving at the same call is the barrier.
+        self.collective(desc, || Ok(()))
     }
 
     fn name(&self) -> &'static str {

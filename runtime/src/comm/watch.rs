@@ -1,24 +1,28 @@
-//! The watch over an MPI job's collectives: deadlines, a control channel between ranks, and
-//! the goodbye that lets a job end without a rank finalizing into a hang.
+//! The watch over an MPI job's collectives: arrival with a deadline, a control channel between
+//! ranks, and the goodbye that lets a job end without a rank finalizing into a hang.
 //!
-//! Every collective is started non-blocking and waited for here. While it waits, a rank also
-//! reads a second communicator (the control channel) on which ranks tell each other that they
-//! left the run (their Accelerator was dropped), that they failed, or ask where the others are
-//! when a deadline passes. So a collective that can never complete (a peer returned an error, a
-//! peer panicked, a peer skipped a call) ends with an error on every rank in milliseconds, and one
-//! that a stopped or stuck peer holds up ends at its deadline, naming the peers that did not come.
+//! Before every collective each rank sends its peers a token naming the call it is at and
+//! waits here for theirs. While it waits, a rank also reads a second communicator (the control
+//! channel) on which ranks tell each other that they left the run (their Accelerator was
+//! dropped), that they failed, or ask where the others are when a deadline passes. So a
+//! collective that can never complete (a peer returned an error, panicked, skipped a call, or
+//! is at another call) ends with an error on every rank in milliseconds, and one that a stopped
+//! or stuck peer holds up ends at its deadline, naming the peers that did not come.
 
+use super::ops::{describe, Current, Op, OpKind, Token};
 use crate::error::{Error, Result};
 use mpi::ffi;
 use mpi::point_to_point::{Destination, Source};
 use mpi::request::{Request, Scope, StaticScope};
 use mpi::topology::{Communicator as _, SimpleCommunicator};
 use std::cell::RefCell;
-use std::fmt;
 use std::time::{Duration, Instant};
 
 /// Tag of every control message (the control channel is a communicator of its own).
 const TAG: i32 = 77;
+
+/// Tag of the arrival tokens (on a communicator of their own too).
+const TOKEN_TAG: i32 = 78;
 
 /// The variable in which the launcher's rank wrapper names its status folder.
 pub(crate) const STATUS_DIR_VAR: &str = "IVME_STATUS_DIR";
@@ -64,109 +68,6 @@ impl Kind {
     }
 }
 
-/// The collective a rank is in, as ranks compare and report it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Op {
-    /// Which collective.
-    pub kind: OpKind,
-    /// How many elements this rank contributes (0 where ranks may legitimately differ).
-    pub count: u64,
-    /// The root rank of a broadcast (0 otherwise).
-    pub root: u64,
-    /// Where the data stands at a gradient sync (see `GradientState::position`; 0 otherwise).
-    pub position: u64,
-}
-
-/// The collectives the MPI backend runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[repr(u64)]
-pub(crate) enum OpKind {
-    /// `all_reduce`.
-    AllReduce = 1,
-    /// The gradient sync's `all_reduce`.
-    GradSync = 2,
-    /// `broadcast`.
-    Broadcast = 3,
-    /// `all_gather`.
-    AllGather = 4,
-    /// `broadcast_bytes`.
-    BroadcastBytes = 5,
-    /// `all_gather_bytes`.
-    AllGatherBytes = 6,
-    /// `barrier`.
-    Barrier = 7,
-}
-
-impl OpKind {
-    pub fn from_code(code: u64) -> Option<OpKind> {
-        Some(match code {
-            1 => OpKind::AllReduce,
-            2 => OpKind::GradSync,
-            3 => OpKind::Broadcast,
-            4 => OpKind::AllGather,
-            5 => OpKind::BroadcastBytes,
-            6 => OpKind::AllGatherBytes,
-            7 => OpKind::Barrier,
-            _ => return None,
-        })
-    }
-
-    fn name(self) -> &'static str {
-        match self {
-            OpKind::AllReduce => "all_reduce",
-            OpKind::GradSync => "gradient all_reduce",
-            OpKind::Broadcast => "broadcast",
-            OpKind::AllGather => "all_gather",
-            OpKind::BroadcastBytes => "broadcast_bytes",
-            OpKind::AllGatherBytes => "all_gather_bytes",
-            OpKind::Barrier => "barrier (wait_for_everyone)",
-        }
-    }
-}
-
-impl fmt::Display for Op {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", self.kind.name())?;
-        match self.kind {
-            OpKind::Barrier => Ok(()),
-            OpKind::Broadcast | OpKind::BroadcastBytes => {
-                write!(f, " from rank {}", self.root)?;
-                if self.count > 0 {
-                    write!(f, " of {} values", self.count)?;
-                }
-                Ok(())
-            }
-            _ if self.count > 0 => {
-                write!(f, " of {} values", self.count)?;
-                // The position packs the backward calls made without a data source (high half)
-                // and the index of the batch handed out last, plus one (low half).
-                let (calls, batch) = (self.position >> 32, self.position & 0xffff_ffff);
-                if batch > 0 {
-                    write!(f, " after batch {} of the epoch", batch - 1)?;
-                }
-                if calls > 0 {
-                    write!(f, " after {calls} backward calls")?;
-                }
-                Ok(())
-            }
-            _ => Ok(()),
-        }
-    }
-}
-
-/// A collective in progress: its number in this rank's sequence and what it is.
-#[derive(Debug, Clone, Copy)]
-struct Current {
-    seq: u64,
-    op: Op,
-}
-
-impl fmt::Display for Current {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "collective #{} ({})", self.seq + 1, self.op)
-    }
-}
-
 #[derive(Debug, Default)]
 struct State {
     /// Collectives this rank has completed.
@@ -186,6 +87,8 @@ struct State {
 /// Deadlines, the control channel and the end-of-run protocol of one MPI job.
 pub(crate) struct Watch {
     ctrl: SimpleCommunicator,
+    // Every rank sends each peer one token per collective, in order, on this channel.
+    tokens: SimpleCommunicator,
     rank: usize,
     size: usize,
     /// How long one collective may take before the job fails.
@@ -210,6 +113,7 @@ impl Watch {
         let size = world.size() as usize;
         Watch {
             ctrl: world.duplicate(),
+            tokens: world.duplicate(),
             rank: world.rank() as usize,
             size,
             timeout,
@@ -243,6 +147,83 @@ impl Watch {
         }
         s.current = Some(Current { seq, op });
         Ok(seq)
+    }
+
+    /// Waits (with the deadline, watching the control channel) until every rank arrived at
+    /// the current collective, and fails on every rank if they are not at the same one.
+    ///
+    /// Each rank sends every peer a token saying which collective it is at (sequence number,
+    /// kind, size, root, data position) and reads theirs. Once every token arrived and matched,
+    /// every rank is inside the same call, so the data moves with MPI's blocking (fastest)
+    /// algorithms and cannot wait on a peer that is elsewhere. This is also a barrier.
+    pub fn arrive(&self) -> Result<()> {
+        let Some(current) = self.state.borrow().current else {
+            return Ok(());
+        };
+        if self.size == 1 {
+            return Ok(());
+        }
+        // Boxed so that a send abandoned by a failure can keep reading it: it is leaked then.
+        let mine: Box<Token> = Box::new(current.token());
+        let mut got = vec![false; self.size];
+        got[self.rank] = true;
+        let mut mismatch: Option<(usize, Token)> = None;
+        let result = mpi::request::scope(|scope| {
+            let mut sends: Vec<Option<Request<'_, [u64], _>>> = self
+                .peers()
+                .map(|r| {
+                    let to = self.tokens.process_at_rank(r as i32);
+                    Some(to.immediate_send_with_tag(scope, &mine[..], TOKEN_TAG))
+                })
+                .collect();
+            let result = self.wait_until(|| {
+                for slot in sends.iter_mut() {
+                    if let Some(req) = slot.take() {
+                        if let Err(req) = req.test() {
+                            *slot = Some(req);
+                        }
+                    }
+                }
+                for (r, seen) in got.iter_mut().enumerate() {
+                    if *seen {
+                        continue;
+                    }
+                    let from = self.tokens.process_at_rank(r as i32);
+                    if let Some((msg, _)) = from.immediate_matched_probe_with_tag(TOKEN_TAG) {
+                        let mut theirs: Token = [0; 5];
+                        msg.matched_receive_into(&mut theirs[..]);
+                        *seen = true;
+                        if theirs != *mine && mismatch.is_none() {
+                            mismatch = Some((r, theirs));
+                        }
+                    }
+                }
+                mismatch.is_some() || (got.iter().all(|g| *g) && sends.iter().all(Option::is_none))
+            });
+            for req in sends.into_iter().flatten() {
+                // SAFETY: the token stays readable (leaked below) for as long as MPI needs it.
+                unsafe {
+                    let _ = req.into_raw();
+                }
+            }
+            result
+        });
+        let abandoned = result.is_err() || mismatch.is_some();
+        if abandoned {
+            Box::leak(mine);
+        }
+        result?;
+        if let Some((r, theirs)) = mismatch {
+            return Err(self.fail(format!(
+                "the collectives do not line up across ranks: rank {} is at {current} but rank \
+                 {r} is at {}; every rank must make the same collective calls in the same order \
+                 with the same sizes (did a rank run an extra or a missing backward, batch or \
+                 wait_for_everyone?); rerun with IVME_DEBUG_SYNC=1 to see every rank",
+                self.rank,
+                describe(&theirs)
+            )));
+        }
+        Ok(())
     }
 
     /// Marks the end of the current collective.
