@@ -114,11 +114,14 @@ impl MpiComm {
     // Below, every rank is known to be in the same call (see `Watch::arrive`): the data moves
     // with MPI's blocking collectives.
 
-    fn all_reduce_vec<T>(&self, send: Vec<T>, op: ReduceOp) -> Vec<T>
-    where
-        T: Equivalence + Clone + Default,
-    {
-        let mut recv = vec![T::default(); send.len()];
+    /// Reduces `send` into `recv` (the caller's `vec![0; n]`, which the allocator hands out as
+    /// fresh zero pages instead of writing every element first).
+    fn all_reduce_vec<T: Equivalence>(
+        &self,
+        send: Vec<T>,
+        mut recv: Vec<T>,
+        op: ReduceOp,
+    ) -> Vec<T> {
         self.world
             .all_reduce_into(&send[..], &mut recv[..], Self::op(op));
         recv
@@ -158,7 +161,9 @@ impl MpiComm {
     }
 
     fn reduce_f32(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
-        let recv = self.all_reduce_vec(host_f32(t)?, op);
+        let send = host_f32(t)?;
+        let zeros = vec![0f32; send.len()];
+        let recv = self.all_reduce_vec(send, zeros, op);
         back(self.mean(recv, op), t)
     }
 
@@ -221,7 +226,9 @@ impl Communicator for MpiComm {
         };
         self.collective(desc, || match t.dtype() {
             DType::F64 => {
-                let mut recv = self.all_reduce_vec(t.flatten_all()?.to_vec1::<f64>()?, op);
+                let send = t.flatten_all()?.to_vec1::<f64>()?;
+                let zeros = vec![0f64; send.len()];
+                let mut recv = self.all_reduce_vec(send, zeros, op);
                 if op == ReduceOp::Mean {
                     let n = self.world_size() as f64;
                     recv.iter_mut().for_each(|x| *x /= n);
@@ -230,7 +237,8 @@ impl Communicator for MpiComm {
             }
             dt if is_int(dt) => {
                 let send = t.to_dtype(DType::I64)?.flatten_all()?.to_vec1::<i64>()?;
-                let recv = self.all_reduce_vec(send, op);
+                let zeros = vec![0i64; send.len()];
+                let recv = self.all_reduce_vec(send, zeros, op);
                 let r = Tensor::from_vec(recv, t.shape(), &Device::Cpu)?;
                 Ok(r.to_dtype(t.dtype())?.to_device(t.device())?)
             }
