@@ -48,9 +48,10 @@ impl AcceleratorBuilder {
         self
     }
 
-    /// Checks before every collective that all processes are at the same call (sequence
-    /// number, kind, size) and fails naming what each was doing when they are not; also
-    /// `IVME_DEBUG_SYNC=1`. One small extra collective per collective: for debugging.
+    /// Compares every collective across all processes before running it and, when they are
+    /// not at the same call, fails listing what *each* process was doing (the check that is
+    /// always on names the first pair that disagrees); also `IVME_DEBUG_SYNC=1`. One small
+    /// extra collective per collective: for debugging.
     pub fn debug_sync(mut self, on: bool) -> Self {
         self.debug_sync = Some(on);
         self
@@ -309,4 +310,43 @@ fn check_precision(p: Precision, device: &Device) -> Result<()> {
              another device"
         ))
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn collective_timeouts_are_positive_seconds() {
+        assert_eq!(parse_seconds("k", " 90 ").unwrap(), Duration::from_secs(90));
+        assert_eq!(
+            parse_seconds("k", "0.5").unwrap(),
+            Duration::from_millis(500)
+        );
+        for bad in ["0", "-3", "soon", "inf", "NaN", ""] {
+            let msg = parse_seconds("IVME_COLLECTIVE_TIMEOUT", bad)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                msg.contains("IVME_COLLECTIVE_TIMEOUT")
+                    && msg.contains("positive number of seconds"),
+                "{bad}: {msg}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_builder_wins_over_the_defaults() {
+        let b = AcceleratorBuilder::default()
+            .collective_timeout(Duration::from_secs(7))
+            .debug_sync(true);
+        let o = b.comm_options().unwrap();
+        assert_eq!((o.timeout, o.debug_sync), (Duration::from_secs(7), true));
+        let zero = AcceleratorBuilder::default().collective_timeout(Duration::ZERO);
+        assert!(zero
+            .comm_options()
+            .unwrap_err()
+            .to_string()
+            .contains("positive"));
+    }
 }
