@@ -1,7 +1,8 @@
-//! The same training written three ways for the equivalence tests: under `#[accelerate]`,
+//! The same training written three ways for the equivalence tests: under `#[accelerate]`
+//! (over the `Vec` of batches, or `batches.iter().enumerate()`),
 //! by hand against the runtime, and (in the test) as plain candle.
 //!
-//! `macro_check mode=macro|hand accum=1|2 steps=K out=DIR` trains the harness's MLP on
+//! `macro_check mode=macro|macro_enumerate|hand accum=1|2 steps=K out=DIR` trains the harness's MLP on
 //! consecutive batches of 4 samples and writes this rank's final weights to `DIR/rank{R}.json`.
 
 use candle_core::{DType, Device, Module, Tensor};
@@ -111,6 +112,37 @@ fn train_macro_accum(batches: Vec<(Tensor, Tensor)>, out: &str) -> candle_core::
     write(out, accelerator.process_index(), &weights(&varmap)?)
 }
 
+/// The most common batch loop in candle code: by reference, numbered.
+#[ivme::accelerate]
+fn train_macro_enumerate(batches: Vec<(Tensor, Tensor)>, out: &str) -> candle_core::Result<()> {
+    let device = Device::Cpu;
+    let varmap = VarMap::new();
+    let model = Mlp::new(VarBuilder::from_varmap(&varmap, DType::F32, &device))?;
+    init(&varmap, accelerator.process_index())?;
+    let mut opt = Sgd::new(
+        varmap.all_vars(),
+        ivme::optim::ParamsSgd {
+            lr: 0.1,
+            ..Default::default()
+        },
+    )?;
+    let mut last = None;
+    for (i, (inputs, targets)) in batches.iter().enumerate() {
+        // `i` numbers this process's batches: 0, 1, 2, ...
+        assert_eq!(
+            i,
+            last.map_or(0, |l| l + 1),
+            "enumerate counts this process's batches"
+        );
+        last = Some(i);
+        let outputs = model.forward(&inputs.to_device(&device)?)?;
+        let loss = candle_nn::loss::mse(&outputs, &targets.to_device(&device)?)?;
+        let grads = loss.backward()?;
+        opt.step(&grads)?;
+    }
+    write(out, accelerator.process_index(), &weights(&varmap)?)
+}
+
 /// The same loop written by hand against the runtime.
 fn train_hand(batches: Vec<(Tensor, Tensor)>, accum: usize, out: &str) -> ivme::Result<()> {
     let mut acc = Accelerator::builder().grad_accum(accum).build()?;
@@ -156,6 +188,7 @@ fn main() -> ivme::Result<()> {
     let data = batches(steps)?;
     match (get("mode", "macro").as_str(), accum) {
         ("hand", _) => train_hand(data, accum, &out),
+        ("macro_enumerate", _) => Ok(train_macro_enumerate(data, &out)?),
         (_, 1) => Ok(train_macro(data, &out)?),
         _ => Ok(train_macro_accum(data, &out)?),
     }

@@ -32,11 +32,19 @@ fn macro_hand_written_and_plain_candle_agree() {
             reference::train::<SGD>(32, &reference::chunks(&order, per_step, 32 / per_step), 0.1);
         let by_macro = run(procs, "macro", accum, 8);
         let by_hand = run(procs, "hand", accum, 8);
+        // `for (i, (x, y)) in batches.iter().enumerate()` is sharded like the `Vec` itself.
+        let enumerated = (accum == 1).then(|| run(procs, "macro_enumerate", accum, 8));
         for r in 0..procs {
             assert_eq!(
                 by_macro[r], by_hand[r],
                 "{procs} procs, accum {accum}: macro and hand differ on rank {r}"
             );
+            if let Some(e) = &enumerated {
+                assert_eq!(
+                    e[r], by_hand[r],
+                    "{procs} procs: the enumerate loop and hand differ on rank {r}"
+                );
+            }
             let d = reference::max_diff(&by_macro[r], &expected);
             assert!(
                 d <= 1e-6,

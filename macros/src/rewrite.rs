@@ -20,6 +20,8 @@ pub(crate) struct Rewriter {
     loop_depth: usize,
     /// A backward call was seen that no inner `for` loop has claimed yet.
     backward_pending: bool,
+    /// How many `for` loops enclose the current expression.
+    for_depth: usize,
     /// Inside the arguments of a forward call that is already in an autocast scope.
     in_autocast: bool,
     /// Whether any forward call was put in an autocast scope (the scope handle is then bound).
@@ -39,6 +41,7 @@ impl Rewriter {
             autocast,
             loop_depth: 0,
             backward_pending: false,
+            for_depth: 0,
             in_autocast: false,
             used_autocast: false,
             in_prepare: false,
@@ -78,14 +81,53 @@ impl Rewriter {
     fn visit_for(&mut self, f: &mut ExprForLoop) {
         self.visit_expr_mut(&mut f.expr);
         let outer = std::mem::take(&mut self.backward_pending);
+        self.for_depth += 1;
         self.in_loop(|this| this.visit_block_mut(&mut f.body));
+        self.for_depth -= 1;
         if self.backward_pending {
             let acc = &self.acc;
-            let iterable = &f.expr;
-            let span = iterable.span();
-            *f.expr = parse_quote_spanned!(span=>
-                ::ivme::macro_support::shard(&#acc, #iterable)?
-            );
+            let span = f.expr.span();
+            *f.expr = match enumerated(&f.expr) {
+                // `.enumerate()` numbers this process's batches: shard what it enumerates.
+                Some(inner) => parse_quote_spanned!(span=>
+                    ::ivme::macro_support::shard(&#acc, #inner)?.enumerate()
+                ),
+                None => {
+                    let iterable = &f.expr;
+                    parse_quote_spanned!(span=>
+                        ::ivme::macro_support::shard(&#acc, #iterable)?
+                    )
+                }
+            };
+        }
+        self.backward_pending = outer;
+    }
+
+    /// `while` and `loop` bodies cannot be sharded: one that calls backward itself (not in a
+    /// `for` loop inside it) would train every process on every batch, so it is refused,
+    /// unless a `for` loop around it is the batch loop (a retry loop inside, say).
+    fn visit_while_or_loop(&mut self, e: &mut Expr) {
+        let outer = std::mem::take(&mut self.backward_pending);
+        self.in_loop(|this| visit_mut::visit_expr_mut(this, e));
+        if self.backward_pending && self.for_depth > 0 {
+            // The enclosing `for` loop is sharded instead.
+            return;
+        }
+        if self.backward_pending {
+            let (kind, head): (&str, &dyn quote::ToTokens) = match &*e {
+                Expr::While(w) => ("while", &w.while_token),
+                Expr::Loop(l) => ("loop", &l.loop_token),
+                _ => ("loop", &*e),
+            };
+            self.errors.push(syn::Error::new_spanned(
+                head,
+                format!(
+                    "`#[accelerate]` cannot shard a `{kind}` batch loop, so every process would \
+                     train on every batch: write it as `for batch in batches {{ .. }}` over a \
+                     `Vec`, slice or `DataLoader` (sharded), or, when each process already reads \
+                     its own data, call `accelerator.backward(&loss)?` yourself"
+                ),
+            ));
         }
         self.backward_pending = outer;
     }
@@ -212,9 +254,7 @@ impl VisitMut for Rewriter {
         }
         match e {
             Expr::ForLoop(f) => self.visit_for(f),
-            Expr::While(_) | Expr::Loop(_) => {
-                self.in_loop(|this| visit_mut::visit_expr_mut(this, e));
-            }
+            Expr::While(_) | Expr::Loop(_) => self.visit_while_or_loop(e),
             Expr::MethodCall(_) => self.visit_method_call(e),
             Expr::Call(_) => self.visit_call(e),
             _ => visit_mut::visit_expr_mut(self, e),
@@ -348,4 +388,14 @@ fn ends_with(path: &Path, tail: &[&str]) -> bool {
 /// that run forward passes borrow it instead of the Accelerator.
 pub fn scope_binding() -> Ident {
     Ident::new("__ivme_autocast", proc_macro2::Span::call_site())
+}
+
+/// The receiver of `X.enumerate()`, if the expression is one.
+fn enumerated(e: &Expr) -> Option<&Expr> {
+    match e {
+        Expr::MethodCall(mc) if mc.method == "enumerate" && mc.args.is_empty() => {
+            Some(&mc.receiver)
+        }
+        _ => None,
+    }
 }

@@ -239,15 +239,52 @@ fn backward_step_becomes_a_step_on_the_accelerators_gradients() {
         quote!(),
         quote! {
             fn f(acc: &mut Accelerator) {
-                while go { opt.backward_step(&loss_fn(&a, &b)?)?; }
+                for (a, b) in data.iter() {
+                    loop { opt.backward_step(&loss_fn(&a, &b)?)?; }
+                }
             }
         },
         quote! {
             fn f(acc: &mut Accelerator) {
-                while go { opt.step(&acc.backward(&loss_fn(&a, &b)?)?)?; }
+                for (a, b) in ::ivme::macro_support::shard(&acc, data.iter())? {
+                    loop { opt.step(&acc.backward(&loss_fn(&a, &b)?)?)?; }
+                }
             }
         },
     );
+}
+
+#[test]
+fn an_enumerated_batch_loop_shards_what_it_enumerates() {
+    assert_expands(
+        quote!(),
+        quote! {
+            fn f(acc: &mut Accelerator) {
+                for (i, (x, y)) in batches.iter().enumerate() { opt.backward_step(&l(x, y))?; }
+            }
+        },
+        quote! {
+            fn f(acc: &mut Accelerator) {
+                for (i, (x, y)) in ::ivme::macro_support::shard(&acc, batches.iter())?.enumerate() {
+                    opt.step(&acc.backward(&l(x, y))?)?;
+                }
+            }
+        },
+    );
+}
+
+#[test]
+fn a_while_batch_loop_is_refused_not_run_on_every_batch() {
+    let out = crate::expand(
+        quote!(),
+        quote! {
+            fn f(acc: &mut Accelerator) {
+                while let Some((x, y)) = it.next() { opt.backward_step(&l(x, y))?; }
+            }
+        },
+    )
+    .to_string();
+    assert!(out.contains("cannot shard a `while` batch loop"), "{out}");
 }
 
 #[test]

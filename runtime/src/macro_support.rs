@@ -39,6 +39,14 @@ tuple_to_device!(A 0, B 1, C 2);
 tuple_to_device!(A 0, B 1, C 2, D 3);
 
 /// A source of batches the macro can shard across processes.
+#[diagnostic::on_unimplemented(
+    message = "`#[accelerate]` cannot shard a batch loop over `{Self}`",
+    label = "the loop that calls backward iterates over this",
+    note = "the attribute shards a `Vec` of batches, `&Vec`/slice, their `.iter()`, `.into_iter()` \
+            and `.enumerate()`, and a `DataLoader` (`&mut loader`, `loader.iter()`)",
+    note = "collect other iterators first (`let batches: Vec<_> = it.collect();`), or, when each \
+            process already reads its own data, call `accelerator.backward(&loss)?` yourself"
+)]
 pub trait ShardSource {
     /// The iterator over this process's share.
     type Iter: Iterator;
@@ -68,11 +76,10 @@ impl<T: ToDevice> Iterator for Sharded<T> {
     }
 }
 
-// Moves this rank's share to the device up front, so a failure surfaces as an error before
-// the loop starts rather than in the middle of it.
-fn shard_vec<T: ToDevice>(items: &[T], accelerator: &Accelerator) -> Result<Sharded<T>> {
-    let order: Vec<usize> = (0..items.len()).collect();
-    let device = accelerator.device();
+/// The batch indices this rank takes from `n` batches (the DataLoader's convention: rank r
+/// takes r, r+W, …, the last round padded from the start), with each one's padding flag.
+fn my_share(n: usize, accelerator: &Accelerator) -> (Vec<usize>, Vec<usize>) {
+    let order: Vec<usize> = (0..n).collect();
     let plan = plan_epoch(
         &order,
         1,
@@ -82,9 +89,62 @@ fn shard_vec<T: ToDevice>(items: &[T], accelerator: &Accelerator) -> Result<Shar
         true,
     );
     let padding = plan.iter().map(|b| b.padding).collect();
-    let mine = plan
+    let indices = plan.iter().flat_map(|b| b.indices.clone()).collect();
+    (indices, padding)
+}
+
+/// This process's share of a slice iterated by reference (`batches.iter()`): the same items,
+/// `&T`, as the loop had, left where they are.
+pub struct ShardedRefs<'a, T> {
+    items: &'a [T],
+    indices: std::vec::IntoIter<usize>,
+    padding: Vec<usize>,
+    len: usize,
+    next: usize,
+    observer: std::sync::Arc<crate::grads::GradientState>,
+}
+
+impl<'a, T> Iterator for ShardedRefs<'a, T> {
+    type Item = &'a T;
+    fn next(&mut self) -> Option<&'a T> {
+        let i = self.indices.next()?;
+        let padding = self.padding.get(self.next).copied().unwrap_or(0);
+        self.observer.on_batch(self.next, self.len, padding);
+        self.next += 1;
+        Some(&self.items[i])
+    }
+}
+
+impl<'a, T> ShardSource for std::slice::Iter<'a, T> {
+    type Iter = ShardedRefs<'a, T>;
+    fn shard(self, accelerator: &Accelerator) -> Result<Self::Iter> {
+        let items = self.as_slice();
+        let (indices, padding) = my_share(items.len(), accelerator);
+        Ok(ShardedRefs {
+            items,
+            len: indices.len(),
+            indices: indices.into_iter(),
+            padding,
+            next: 0,
+            observer: accelerator.gradient_state(),
+        })
+    }
+}
+
+impl<T: ToDevice> ShardSource for std::vec::IntoIter<T> {
+    type Iter = Sharded<T>;
+    fn shard(self, accelerator: &Accelerator) -> Result<Self::Iter> {
+        shard_vec(self.as_slice(), accelerator)
+    }
+}
+
+// Moves this rank's share to the device up front, so a failure surfaces as an error before
+// the loop starts rather than in the middle of it.
+fn shard_vec<T: ToDevice>(items: &[T], accelerator: &Accelerator) -> Result<Sharded<T>> {
+    let device = accelerator.device();
+    let (indices, padding) = my_share(items.len(), accelerator);
+    let mine = indices
         .iter()
-        .flat_map(|b| &b.indices)
         .map(|&i| items[i].to_device(device))
         .collect::<candle_core::Result<Vec<T>>>()?;
     Ok(Sharded {

@@ -1,0 +1,19 @@
+use candle_core::{Module, Tensor};
+use candle_nn::{Linear, Optimizer, VarMap};
+use ivme::optim::{ParamsSgd, Sgd};
+use ivme::accelerate;
+
+#[accelerate]
+fn train(model: &Linear, varmap: &VarMap, xs: Vec<Tensor>, ys: Vec<Tensor>) -> candle_core::Result<()> {
+    let mut opt = Sgd::new(varmap.all_vars(), ParamsSgd { lr: 0.1, ..Default::default() })?;
+    for (x, y) in xs.iter().zip(ys.iter()) {
+        let loss = candle_nn::loss::mse(&model.forward(x)?, y)?;
+        let grads = loss.backward()?;
+        opt.step(&grads)?;
+    }
+    Ok(())
+}
+
+fn main() {
+    let _ = train;
+}
