@@ -134,12 +134,25 @@ pub(crate) fn write_safetensors<W: Write>(
     Ok(8 + text.len() as u64 + offset)
 }
 
-/// Converts elements to little-endian bytes in bounded chunks so no second full copy is made.
+/// Writes elements as little-endian bytes: straight from memory on a little-endian machine,
+/// else converted in bounded chunks so no second full copy is made.
 fn put<T: Copy, const N: usize, W: Write>(
     w: &mut W,
     xs: &[T],
     to_bytes: impl Fn(T) -> [u8; N],
 ) -> Result<()> {
+    if cfg!(target_endian = "little") && std::mem::size_of::<T>() == N {
+        // SAFETY: `T` is one of candle's plain number types (integers, floats, half floats):
+        // `N` bytes each, all initialised, no padding; `u8` needs no alignment; the slice
+        // covers exactly the memory of `xs`, which outlives it. In memory they already are
+        // the little-endian bytes safetensors stores.
+        let bytes = unsafe {
+            std::slice::from_raw_parts(xs.as_ptr().cast::<u8>(), std::mem::size_of_val(xs))
+        };
+        return w
+            .write_all(bytes)
+            .map_err(|e| Error::io("writing tensor data", e));
+    }
     const CHUNK: usize = 1 << 16;
     let mut buf = Vec::with_capacity(CHUNK * N);
     for chunk in xs.chunks(CHUNK) {
