@@ -5,7 +5,10 @@
 use candle_core::{DType, Device, Result, Tensor, Var};
 use candle_nn::Optimizer;
 use ivme::optim::schedule::StepLr;
-use ivme::optim::{AdamW, LrScheduler, ParamsAdamW, ParamsSgd, Sgd, StatefulOptimizer};
+use ivme::optim::{
+    AdamW, AnyOptimizer, AnyParams, Linked, LrSchedule, LrScheduler, ParamsAdamW, ParamsSgd, Sgd,
+    StatefulOptimizer,
+};
 
 /// A two-layer perceptron's parameters: w1 (4×3), b1 (4), w2 (1×4), b2 (1), with fixed,
 /// irregular values so every element gets a different gradient.
@@ -345,5 +348,77 @@ fn scheduled_lr_is_the_one_the_optimizer_uses() -> Result<()> {
         plain.set_learning_rate(plain.learning_rate() * 0.5);
     }
     assert_bitwise(&vars, &ref_vars, "scheduled SGD")?;
+    Ok(())
+}
+
+#[test]
+fn an_optimizer_chosen_at_run_time_is_the_one_it_names() -> Result<()> {
+    let params = ParamsAdamW {
+        lr: 0.01,
+        weight_decay: 0.1,
+        ..ParamsAdamW::default()
+    };
+    let (ours_vars, theirs_vars) = (mlp_vars()?, mlp_vars()?);
+    let mut ours = AnyOptimizer::new(ours_vars.clone(), AnyParams::AdamW(params.clone()))?;
+    let mut theirs = candle_nn::AdamW::new(theirs_vars.clone(), params)?;
+    let (sgd_vars, plain_vars) = (mlp_vars()?, mlp_vars()?);
+    let sgd = ParamsSgd {
+        lr: 0.05,
+        ..ParamsSgd::default()
+    };
+    let mut any_sgd = AnyOptimizer::new(sgd_vars.clone(), AnyParams::Sgd(sgd))?;
+    let mut plain = candle_nn::SGD::new(plain_vars.clone(), 0.05)?;
+    for k in 0..4 {
+        ours.backward_step(&loss(&ours_vars, k)?)?;
+        theirs.backward_step(&loss(&theirs_vars, k)?)?;
+        assert_bitwise(
+            &ours_vars,
+            &theirs_vars,
+            &format!("AnyOptimizer::AdamW step {k}"),
+        )?;
+        any_sgd.backward_step(&loss(&sgd_vars, k)?)?;
+        plain.backward_step(&loss(&plain_vars, k)?)?;
+        assert_bitwise(
+            &sgd_vars,
+            &plain_vars,
+            &format!("AnyOptimizer::Sgd step {k}"),
+        )?;
+    }
+    assert_eq!(ours.link().steps(), 4);
+    assert_ne!(values(&ours_vars)?, values(&mlp_vars()?)?);
+    Ok(())
+}
+
+#[test]
+fn an_optimizer_chosen_at_run_time_resumes_exactly() -> Result<()> {
+    round_trip(|vars| {
+        let p = ParamsSgd {
+            lr: 0.05,
+            momentum: 0.9,
+            ..ParamsSgd::default()
+        };
+        AnyOptimizer::new(vars, AnyParams::Sgd(p))
+    })
+}
+
+#[test]
+fn a_schedule_chosen_at_run_time_follows_real_steps() -> Result<()> {
+    let vars = mlp_vars()?;
+    let mut opt = Sgd::new(
+        vars.clone(),
+        ParamsSgd {
+            lr: 1.0,
+            ..ParamsSgd::default()
+        },
+    )?;
+    let chosen: Box<dyn LrSchedule> =
+        Box::new(StepLr::new(1, 0.5).map_err(candle_core::Error::from)?);
+    let mut sched = LrScheduler::new(&opt, chosen);
+    sched.step();
+    assert_eq!(opt.learning_rate(), 1.0);
+    opt.backward_step(&loss(&vars, 0)?)?;
+    sched.step();
+    sched.step();
+    assert_eq!(opt.learning_rate(), 0.5);
     Ok(())
 }

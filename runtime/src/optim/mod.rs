@@ -7,11 +7,13 @@
 
 pub(crate) mod accelerated;
 pub mod adamw;
+pub mod any;
 pub mod schedule;
 pub mod sgd;
 
 pub use accelerated::AcceleratedOptimizer;
 pub use adamw::AdamW;
+pub use any::{AnyOptimizer, AnyParams};
 pub use candle_nn::ParamsAdamW;
 pub use schedule::{
     ConstantLr, ExponentialLr, LambdaLr, LrSchedule, LrScheduler, StepLr, WarmupCosine,
