@@ -48,6 +48,8 @@ pub struct Accelerator {
     pub(crate) trackers: Shared<Option<crate::tracking::Trackers>>,
     pub(crate) scaler: Option<LossScaler>,
     pub(crate) grad_state: Arc<GradientState>,
+    /// Where the attribute's loops over plain collections stand (saved with the state).
+    pub(crate) loop_cursor: Shared<crate::macro_support::LoopCursor>,
 }
 
 impl std::fmt::Debug for Accelerator {
@@ -321,6 +323,11 @@ impl Accelerator {
     /// The gradient state shared with prepared data loaders.
     pub(crate) fn gradient_state(&self) -> Arc<GradientState> {
         self.grad_state.clone()
+    }
+
+    /// The position of the attribute's loops over plain collections.
+    pub(crate) fn loop_cursor(&self) -> Shared<crate::macro_support::LoopCursor> {
+        self.loop_cursor.clone()
     }
 
     /// Reports that batch `index` of `batches_in_epoch` is next, for hand-made data sources:

@@ -230,6 +230,7 @@ impl AcceleratorBuilder {
             registered: Vec::new(),
             project,
             checkpoint_locks: Vec::new(),
+            loop_cursor: Shared::new(Default::default()),
             trackers: Shared::new(None),
             // Rank-specific streams: dropout on different data must not share masks.
             rng: Shared::new(Rng::new(mix(self.seed.unwrap_or(0), rank as u64))),

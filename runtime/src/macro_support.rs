@@ -54,25 +54,124 @@ pub trait ShardSource {
     fn shard(self, accelerator: &Accelerator) -> Result<Self::Iter>;
 }
 
+/// Where the attribute's batch loops over plain collections stand, saved with the training
+/// state so a resumed run continues mid-epoch like a `DataLoader` does.
+///
+/// Each time a sharded loop starts is one *pass* (an epoch, in the usual loop): the cursor
+/// counts the passes begun and the batches the current one has handed out. After a load, the
+/// passes the checkpoint had finished come back empty (the user's epoch loop runs through them
+/// without training) and the one it was in resumes at the next batch.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct LoopPosition {
+    /// The pass in progress (0 for the first), or the next to begin between passes.
+    pub pass: u64,
+    /// Batches of that pass already handed out on this rank.
+    pub next: usize,
+}
+
+/// The live cursor behind [`LoopPosition`].
+#[derive(Debug, Default)]
+pub struct LoopCursor {
+    position: LoopPosition,
+    begun: u64,
+    resume: Option<LoopPosition>,
+}
+
+impl LoopCursor {
+    /// The position to save.
+    pub fn position(&self) -> LoopPosition {
+        self.position
+    }
+
+    /// Continues from `p` (a loaded checkpoint's position) at the next passes this process
+    /// begins.
+    pub fn resume_from(&mut self, p: LoopPosition) {
+        self.position = p;
+        self.resume = Some(p);
+    }
+
+    /// Begins a pass: `None` for a pass the loaded checkpoint had finished, else the batch to
+    /// start at.
+    fn begin(&mut self) -> Option<usize> {
+        let pass = self.begun;
+        self.begun += 1;
+        match self.resume {
+            Some(r) if pass < r.pass => return None,
+            Some(r) if pass == r.pass => {
+                self.resume = None;
+                self.position = r;
+                return Some(r.next);
+            }
+            _ => self.resume = None,
+        }
+        self.position = LoopPosition { pass, next: 0 };
+        Some(0)
+    }
+}
+
+/// One pass of a sharded loop: this rank's batch indices, reported to the gradient state (so
+/// accumulation windows follow the data) and to the loop cursor (so a save records them).
+struct Pass {
+    indices: Vec<usize>,
+    padding: Vec<usize>,
+    next: usize,
+    // false for a pass a loaded checkpoint had finished: it hands out nothing, records nothing
+    live: bool,
+    observer: std::sync::Arc<crate::grads::GradientState>,
+    cursor: crate::stateful::Shared<LoopCursor>,
+}
+
+impl Pass {
+    /// The pass over `n` batches that begins now.
+    fn begin(n: usize, accelerator: &Accelerator) -> Pass {
+        let (indices, padding) = my_share(n, accelerator);
+        let cursor = accelerator.loop_cursor();
+        let start = cursor.lock().begin();
+        Pass {
+            next: start.unwrap_or(indices.len()).min(indices.len()),
+            live: start.is_some(),
+            indices,
+            padding,
+            observer: accelerator.gradient_state(),
+            cursor,
+        }
+    }
+
+    /// The index of the next batch, or `None` at the end of the pass.
+    fn advance(&mut self) -> Option<usize> {
+        let len = self.indices.len();
+        if self.next >= len {
+            if std::mem::replace(&mut self.live, false) {
+                let mut c = self.cursor.lock();
+                c.position = LoopPosition {
+                    pass: c.position.pass + 1,
+                    next: 0,
+                };
+            }
+            return None;
+        }
+        let k = self.next;
+        self.observer
+            .on_batch(k, len, self.padding.get(k).copied().unwrap_or(0));
+        self.next += 1;
+        self.cursor.lock().position.next = self.next;
+        Some(self.indices[k])
+    }
+}
+
 /// This process's share of a plain list of batches: rank r takes batches r, r+W, …, with the
 /// last round padded from the start so every rank runs the same number of steps.
 pub struct Sharded<T> {
+    // This rank's batches from the pass's starting point on, already on the device.
     batches: std::vec::IntoIter<T>,
-    // 1 for a batch repeated only to even out the ranks
-    padding: Vec<usize>,
-    len: usize,
-    next: usize,
-    observer: std::sync::Arc<crate::grads::GradientState>,
+    pass: Pass,
 }
 
 impl<T: ToDevice> Iterator for Sharded<T> {
     type Item = T;
     fn next(&mut self) -> Option<T> {
-        let batch = self.batches.next()?;
-        let padding = self.padding.get(self.next).copied().unwrap_or(0);
-        self.observer.on_batch(self.next, self.len, padding);
-        self.next += 1;
-        Some(batch)
+        self.pass.advance()?;
+        self.batches.next()
     }
 }
 
@@ -97,20 +196,13 @@ fn my_share(n: usize, accelerator: &Accelerator) -> (Vec<usize>, Vec<usize>) {
 /// `&T`, as the loop had, left where they are.
 pub struct ShardedRefs<'a, T> {
     items: &'a [T],
-    indices: std::vec::IntoIter<usize>,
-    padding: Vec<usize>,
-    len: usize,
-    next: usize,
-    observer: std::sync::Arc<crate::grads::GradientState>,
+    pass: Pass,
 }
 
 impl<'a, T> Iterator for ShardedRefs<'a, T> {
     type Item = &'a T;
     fn next(&mut self) -> Option<&'a T> {
-        let i = self.indices.next()?;
-        let padding = self.padding.get(self.next).copied().unwrap_or(0);
-        self.observer.on_batch(self.next, self.len, padding);
-        self.next += 1;
+        let i = self.pass.advance()?;
         Some(&self.items[i])
     }
 }
@@ -119,14 +211,9 @@ impl<'a, T> ShardSource for std::slice::Iter<'a, T> {
     type Iter = ShardedRefs<'a, T>;
     fn shard(self, accelerator: &Accelerator) -> Result<Self::Iter> {
         let items = self.as_slice();
-        let (indices, padding) = my_share(items.len(), accelerator);
         Ok(ShardedRefs {
+            pass: Pass::begin(items.len(), accelerator),
             items,
-            len: indices.len(),
-            indices: indices.into_iter(),
-            padding,
-            next: 0,
-            observer: accelerator.gradient_state(),
         })
     }
 }
@@ -142,17 +229,14 @@ impl<T: ToDevice> ShardSource for std::vec::IntoIter<T> {
 // the loop starts rather than in the middle of it.
 fn shard_vec<T: ToDevice>(items: &[T], accelerator: &Accelerator) -> Result<Sharded<T>> {
     let device = accelerator.device();
-    let (indices, padding) = my_share(items.len(), accelerator);
-    let mine = indices
+    let pass = Pass::begin(items.len(), accelerator);
+    let mine = pass.indices[pass.next..]
         .iter()
         .map(|&i| items[i].to_device(device))
         .collect::<candle_core::Result<Vec<T>>>()?;
     Ok(Sharded {
-        padding,
-        len: mine.len(),
         batches: mine.into_iter(),
-        next: 0,
-        observer: accelerator.gradient_state(),
+        pass,
     })
 }
 

@@ -134,6 +134,7 @@ impl Accelerator {
             tensors: sums,
             json: json!({
                 "auto_micro_step": self.grad_state.auto_index(),
+                "macro_loop": self.loop_cursor.lock().position(),
                 "scaler": self.scaler,
                 "checkpoints_saved": self.project.as_ref().map(|p| p.iteration),
             }),

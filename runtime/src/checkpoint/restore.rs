@@ -21,6 +21,7 @@ use super::store::{self, Listing, RankState};
 use crate::accelerator::Accelerator;
 use crate::data::LoaderPosition;
 use crate::error::{Error, Result};
+use crate::macro_support::LoopPosition;
 use crate::rng::RngState;
 use crate::scaler::LossScaler;
 use crate::stateful::StateDict;
@@ -32,6 +33,8 @@ pub(crate) struct Plan {
     loaders: Vec<LoaderPosition>,
     rng: RngState,
     auto_micro_step: u64,
+    /// Where the attribute's loops over plain collections stood.
+    macro_loop: Option<LoopPosition>,
     scaler: Option<LossScaler>,
     /// Per model, per variable: the partial gradient sum of a window saved mid-way.
     sums: Vec<Vec<Option<Tensor>>>,
@@ -252,6 +255,17 @@ impl Accelerator {
             serde_json::from_value(training.json.get("scaler").cloned().unwrap_or(Value::Null))
                 .map_err(|e| bad(&file("training"), format!("`scaler` is not {what} ({e})")))?;
         check_scaler(&file("training"), scaler.as_ref(), self.scaler.is_some())?;
+        // Absent from checkpoints written before the attribute's loops were resumable.
+        let what = "a loop position (pass, next)";
+        let macro_loop: Option<LoopPosition> = match training.json.get("macro_loop") {
+            None | Some(Value::Null) => None,
+            Some(v) => Some(serde_json::from_value(v.clone()).map_err(|e| {
+                bad(
+                    &file("training"),
+                    format!("`macro_loop` is not {what} ({e})"),
+                )
+            })?),
+        };
         let sums = self.check_sums(
             &dir.join(format!("rank{rank}/training.safetensors")),
             &training.tensors,
@@ -267,6 +281,7 @@ impl Accelerator {
             loaders,
             rng,
             auto_micro_step,
+            macro_loop,
             scaler,
             sums,
             custom,
@@ -319,6 +334,7 @@ impl Accelerator {
             loaders,
             rng,
             auto_micro_step,
+            macro_loop,
             scaler,
             sums,
             custom,
@@ -329,6 +345,9 @@ impl Accelerator {
         }
         *self.rng.lock() = crate::rng::Rng::from_state(rng);
         self.grad_state.set_auto_index(auto_micro_step);
+        if let Some(p) = macro_loop {
+            self.loop_cursor.lock().resume_from(p);
+        }
         self.scaler = scaler;
         for (m, s) in self.models.iter_mut().zip(sums) {
             m.sums = s;
