@@ -100,6 +100,52 @@ fn every_rank_receives_the_settings() {
 }
 
 #[test]
+#[cfg(target_os = "linux")]
+fn ranks_get_allocator_settings_unless_the_user_set_them() {
+    let out = launch(2, &whoami(), &[], &[("WHOAMI_SHOW_ENV", "1")]);
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    let got = lines(&stdout);
+    for rank in 0..2 {
+        for var in [
+            "MALLOC_MMAP_THRESHOLD_=33554432",
+            "MALLOC_TRIM_THRESHOLD_=17179869184",
+        ] {
+            let line = format!("rank {rank}: {var}");
+            assert!(
+                got.contains(&line.as_str()),
+                "missing `{line}` in\n{stdout}"
+            );
+        }
+    }
+    let out = launch(
+        2,
+        &whoami(),
+        &[],
+        &[("WHOAMI_SHOW_ENV", "1"), ("MALLOC_TRIM_THRESHOLD_", "4096")],
+    );
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    let got = lines(&stdout);
+    assert!(
+        got.contains(&"rank 1: MALLOC_TRIM_THRESHOLD_=4096"),
+        "{stdout}"
+    );
+    assert!(
+        got.contains(&"rank 1: MALLOC_MMAP_THRESHOLD_=33554432"),
+        "{stdout}"
+    );
+    let out = launch(
+        2,
+        &whoami(),
+        &[],
+        &[("WHOAMI_SHOW_ENV", "1"), ("IVME_MALLOC_TUNING", "0")],
+    );
+    let (stdout, _) = text(&out);
+    assert!(!stdout.contains("MALLOC_MMAP_THRESHOLD_"), "{stdout}");
+}
+
+#[test]
 fn a_users_rayon_setting_is_left_alone() {
     let out = launch(
         2,

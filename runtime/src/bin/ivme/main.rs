@@ -19,6 +19,7 @@ mod rank;
 mod selftest;
 mod settings;
 mod sources;
+mod tuning;
 
 use ivme::{Error, Result};
 use std::process::ExitCode;

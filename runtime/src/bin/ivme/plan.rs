@@ -14,6 +14,7 @@ use crate::mpirun::{self, MpiJob, Mpirun};
 use crate::process;
 use crate::rank;
 use crate::sources::{self, Origin};
+use crate::tuning;
 use ivme::{Error, Precision, Result};
 use std::path::PathBuf;
 use std::time::Duration;
@@ -105,7 +106,9 @@ pub fn usage() -> String {
          Flags (`--num-processes` and `--num_processes=2` work too):\n{}\
          \nEverything after PROGRAM is passed to it unchanged. Each rank sees IVME_NUM_PROCESSES,\n\
          IVME_LAUNCHER=ivme, RAYON_NUM_THREADS (cores shared between the ranks on a machine, unless\n\
-         already set) and the variables of the settings given. Set {} to use a particular mpirun.\n\
+         already set), glibc allocator settings on Linux (MALLOC_MMAP_THRESHOLD_ and\n\
+         MALLOC_TRIM_THRESHOLD_ unless set; IVME_MALLOC_TUNING=0 turns them off) and the variables\n\
+         of the settings given. Set {} to use a particular mpirun.\n\
          \nSettings come from flags, then IVME_PRECISION / IVME_GRAD_ACCUM / IVME_CPU /\n\
          IVME_COLLECTIVE_TIMEOUT / IVME_DEBUG_SYNC already in the environment, then the config\n\
          file (`ivme config`), then the defaults.\n\
@@ -366,9 +369,10 @@ impl LaunchPlan {
             let threads = (machine.cores / self.processes_per_machine()).max(1);
             ours.push((RAYON_VAR.into(), threads.to_string()));
         }
+        ours.extend(tuning::malloc_tuning(inherited));
         let mut kept: Vec<(String, String)> = inherited
             .iter()
-            .filter(|(k, _)| k.starts_with("IVME_") || k == RAYON_VAR)
+            .filter(|(k, _)| k.starts_with("IVME_") || k == RAYON_VAR || tuning::is_malloc_var(k))
             .filter(|(k, _)| k != mpirun::MPIRUN_VAR && !ours.iter().any(|(o, _)| o == k))
             .cloned()
             .collect();

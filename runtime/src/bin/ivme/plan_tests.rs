@@ -214,6 +214,7 @@ fn the_users_own_variables_are_kept_and_flags_win() {
 }
 
 #[test]
+#[cfg(target_os = "linux")] // the allocator settings are for glibc
 fn open_mpi_ranks_run_under_the_wrapper_with_every_variable_forwarded() {
     let p = plan(&["--num_processes", "4", "--cpu", "sh", "-c", "echo hi"]);
     let inv = p.invocation(&ctx(TWO_CORES_ROOT, Flavor::OpenMpi)).unwrap();
@@ -245,6 +246,10 @@ fn open_mpi_ranks_run_under_the_wrapper_with_every_variable_forwarded() {
         "IVME_CPU",
         "-x",
         "RAYON_NUM_THREADS",
+        "-x",
+        "MALLOC_MMAP_THRESHOLD_",
+        "-x",
+        "MALLOC_TRIM_THRESHOLD_",
         "/opt/ivme",
         "__rank",
         "--status-dir",
