@@ -9,6 +9,7 @@ pub(crate) mod accelerated;
 pub mod adamw;
 pub mod any;
 pub mod schedule;
+mod scheduler;
 pub mod sgd;
 
 pub use accelerated::AcceleratedOptimizer;
@@ -16,8 +17,8 @@ pub use adamw::AdamW;
 pub use any::{AnyOptimizer, AnyParams};
 pub use candle_nn::ParamsAdamW;
 pub use schedule::{
-    ConstantLr, ExponentialLr, LambdaLr, LrSchedule, LrScheduler, StepLr, WarmupCosine,
-    WarmupLinear,
+    ConstantLr, ExponentialLr, LambdaLr, LrSchedule, LrScheduler, StepLr, WarmupConstant,
+    WarmupCosine, WarmupLinear,
 };
 pub use sgd::{ParamsSgd, Sgd};
 
