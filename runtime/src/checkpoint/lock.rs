@@ -154,27 +154,35 @@ impl FolderLock {
             .custom_flags(libc::O_NOFOLLOW)
             .open(&path)
             .map_err(io_at("opening the lock file", &path))?;
-        // A process checking whether the folder is free holds the lock for an instant; only a
-        // lock that stays taken belongs to another job.
+        // A process checking whether the folder is free holds the lock for an instant, and a
+        // holder that is exiting has cleared its name but not yet lost the lock: only a lock
+        // that stays taken, or is taken by a named job, belongs to another job.
+        let mut holder = None;
         let mut taken = false;
-        for _ in 0..25 {
-            taken = try_flock(&file).map_err(|e| {
-                Error::io(
-                    format!(
-                        "locking {} (the file system must support flock so that two jobs \
-                         cannot write one checkpoint folder)",
-                        path.display()
-                    ),
-                    e,
-                )
-            })?;
-            if taken {
+        'rounds: for _ in 0..10 {
+            for _ in 0..25 {
+                taken = try_flock(&file).map_err(|e| {
+                    Error::io(
+                        format!(
+                            "locking {} (the file system must support flock so that two jobs \
+                             cannot write one checkpoint folder)",
+                            path.display()
+                        ),
+                        e,
+                    )
+                })?;
+                if taken {
+                    break 'rounds;
+                }
+                std::thread::sleep(Duration::from_millis(8));
+            }
+            holder = read_holder(&path);
+            if holder.is_some() {
                 break;
             }
-            std::thread::sleep(Duration::from_millis(8));
         }
         if !taken {
-            return Err(held_by_other(&key, &path));
+            return Err(held_by_other(&key, holder));
         }
         let me = serde_json::to_vec(&Holder::current())?;
         file.set_len(0)
@@ -222,29 +230,35 @@ impl FolderLock {
 
     /// Fails with the holder's identity when another process holds the lock on `dir`.
     pub fn check_free(dir: &Path) -> Result<()> {
-        if Self::held_elsewhere(dir) {
-            Err(held_by_other(dir, &dir.join(LOCK_FILE)))
-        } else {
-            Ok(())
+        if !Self::held_elsewhere(dir) {
+            return Ok(());
+        }
+        // The holder writes its name right after locking; give it a moment if it is empty.
+        let lock_file = dir.join(LOCK_FILE);
+        let mut holder = None;
+        for _ in 0..20 {
+            holder = read_holder(&lock_file);
+            if holder.is_some() || !Self::held_elsewhere(dir) {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        match holder {
+            None if !Self::held_elsewhere(dir) => Ok(()),
+            h => Err(held_by_other(dir, h)),
         }
     }
 }
 
+/// The identity written in a lock file, if it holds one.
+fn read_holder(lock_file: &Path) -> Option<Holder> {
+    let mut text = String::new();
+    File::open(lock_file).ok()?.read_to_string(&mut text).ok()?;
+    serde_json::from_str(&text).ok()
+}
+
 /// The error a second job gets: who holds the folder, since when, and what to do.
-fn held_by_other(dir: &Path, lock_file: &Path) -> Error {
-    // The holder writes its identity right after locking; give it a moment if it is empty.
-    let mut holder = None;
-    for _ in 0..20 {
-        let mut text = String::new();
-        if let Ok(mut f) = File::open(lock_file) {
-            let _ = f.read_to_string(&mut text);
-        }
-        if let Ok(h) = serde_json::from_str::<Holder>(&text) {
-            holder = Some(h);
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
+fn held_by_other(dir: &Path, holder: Option<Holder>) -> Error {
     let who = match holder {
         Some(h) => {
             let now = Holder::current().since;
@@ -298,9 +312,28 @@ mod tests {
         assert!(!try_flock(&f).unwrap(), "b still holds it");
         drop(b);
         assert!(try_flock(&f).unwrap(), "released with the last handle");
-        let e = held_by_other(&dir, &dir.join(LOCK_FILE)).to_string();
+        let e = held_by_other(&dir, read_holder(&dir.join(LOCK_FILE))).to_string();
         assert!(e.contains("project_dir"), "{e}");
         drop(f);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_holder_that_is_exiting_does_not_refuse_the_next_job() {
+        // A holder that exits cleanly clears its name, then loses the lock when its process
+        // ends; a job trying the folder in between must wait for the lock, not give up.
+        let dir = std::env::temp_dir().join(format!("ivme-lock-exit-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = File::create(dir.join(LOCK_FILE)).unwrap();
+        assert!(try_flock(&f).unwrap());
+        let exiting = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(400));
+            drop(f);
+        });
+        let lock = FolderLock::acquire(&dir);
+        exiting.join().unwrap();
+        assert!(lock.is_ok(), "{:?}", lock.err());
+        drop(lock);
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
