@@ -245,6 +245,7 @@ impl Accelerator {
             compute,
             master,
             sums,
+            buffers: Default::default(),
         });
         Ok(())
     }

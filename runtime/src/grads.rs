@@ -1,6 +1,7 @@
 //! Gradients: accumulation over micro-batches, bucketed averaging across processes,
 //! unscaling, overflow detection and clipping.
 
+use crate::bucket::{cut, Finish, SyncBuffers};
 use crate::comm::{Communicator, ReduceOp};
 use crate::data::StepObserver;
 use crate::error::{Error, Result};
@@ -276,6 +277,8 @@ pub struct ParamSet {
     pub master: Vec<Var>,
     /// Running sums of gradients within the current window, in f32.
     pub(crate) sums: Vec<Option<Tensor>>,
+    /// The persistent buffers of the allocation-free sync.
+    pub(crate) buffers: SyncBuffers,
 }
 
 impl ParamSet {
@@ -325,6 +328,22 @@ impl ParamSet {
             return Ok(false);
         }
         let world = comm.world_size();
+        if world > 1 && self.buffers.fits(&self.sums) {
+            let finish = Finish {
+                inv_world: 1.0 / world as f32,
+                inv_scale: (inv_scale != 1.0).then_some(inv_scale as f32),
+            };
+            return self.buffers.sync(
+                comm,
+                &mut self.sums,
+                &self.master,
+                position,
+                bucket_bytes,
+                finish,
+                check_overflow,
+                store,
+            );
+        }
         let mut grads: Vec<Tensor> = Vec::with_capacity(self.sums.len());
         let mut present: Vec<bool> = Vec::with_capacity(self.sums.len());
         for (sum, var) in self.sums.iter_mut().zip(&self.master) {
@@ -379,18 +398,9 @@ pub fn all_reduce_bucketed(
     bucket_bytes: usize,
     position: u64,
 ) -> Result<()> {
-    let mut start = 0;
-    while start < grads.len() {
-        let mut end = start;
-        let mut bytes = 0usize;
-        while end < grads.len() {
-            let b = grads[end].elem_count() * 4;
-            if end > start && bytes + b > bucket_bytes {
-                break;
-            }
-            bytes += b;
-            end += 1;
-        }
+    let sizes: Vec<usize> = grads.iter().map(Tensor::elem_count).collect();
+    for bucket in cut(sizes, bucket_bytes) {
+        let (start, end) = (bucket.start, bucket.end);
         let flat: Vec<Tensor> = grads[start..end]
             .iter()
             .map(|g| g.flatten_all())
@@ -407,7 +417,6 @@ pub fn all_reduce_bucketed(
             *g = reduced.narrow(0, offset, n)?.reshape(g.shape())?;
             offset += n;
         }
-        start = end;
     }
     Ok(())
 }

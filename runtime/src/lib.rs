@@ -40,6 +40,7 @@ pub mod comm;
 pub mod config;
 pub mod data;
 pub mod error;
+mod bucket;
 pub mod grads;
 pub mod logging;
 pub mod memory;

@@ -48,6 +48,16 @@ pub trait Communicator {
         let _ = position;
         self.all_reduce(t, op)
     }
+    /// Sums host buffer `send` across ranks into `recv` (of the same length), with the checks
+    /// of [`all_reduce_checked`](Self::all_reduce_checked): the gradient sync's path, which
+    /// reuses its buffers step after step instead of allocating tensors.
+    fn all_reduce_sum_into(&self, send: &[f32], recv: &mut [f32], position: u64) -> Result<()> {
+        check_lengths(send, recv)?;
+        let t = Tensor::from_slice(send, send.len(), &candle_core::Device::Cpu)?;
+        let r = self.all_reduce_checked(&t, ReduceOp::Sum, position)?;
+        recv.copy_from_slice(&r.to_vec1::<f32>()?);
+        Ok(())
+    }
     /// Every rank gets rank `root`'s `t`.
     fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor>;
     /// Concatenates every rank's `t` along dimension 0, in rank order.
@@ -60,6 +70,19 @@ pub trait Communicator {
     fn barrier(&self) -> Result<()>;
     /// The backend's name, for reports.
     fn name(&self) -> &'static str;
+}
+
+/// Fails unless a reduction's send and receive buffers have the same length.
+pub(crate) fn check_lengths(send: &[f32], recv: &[f32]) -> Result<()> {
+    if send.len() == recv.len() {
+        Ok(())
+    } else {
+        Err(crate::Error::Comm(format!(
+            "all_reduce_sum_into: the send buffer holds {} values but the receive buffer {}",
+            send.len(),
+            recv.len()
+        )))
+    }
 }
 
 /// Wraps a communicator and counts the collectives it runs, so tests and reports can show
@@ -115,6 +138,10 @@ impl Communicator for Counted {
     fn all_reduce_checked(&self, t: &Tensor, op: ReduceOp, position: u64) -> Result<Tensor> {
         self.tick();
         self.inner.all_reduce_checked(t, op, position)
+    }
+    fn all_reduce_sum_into(&self, send: &[f32], recv: &mut [f32], position: u64) -> Result<()> {
+        self.tick();
+        self.inner.all_reduce_sum_into(send, recv, position)
     }
     fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
         self.tick();

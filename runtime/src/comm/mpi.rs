@@ -258,6 +258,23 @@ impl Communicator for MpiComm {
         self.collective(desc, || self.reduce_f32(t, op))
     }
 
+    fn all_reduce_sum_into(&self, send: &[f32], recv: &mut [f32], position: u64) -> Result<()> {
+        super::check_lengths(send, recv)?;
+        let desc = Op {
+            kind: OpKind::GradSync,
+            count: send.len() as u64,
+            root: 0,
+            position,
+        };
+        // Every rank is in this call once the tokens matched, so the blocking reduction
+        // returns with `recv` filled: nothing of the caller's buffers outlives the call.
+        self.collective(desc, || {
+            self.world
+                .all_reduce_into(send, recv, SystemOperation::sum());
+            Ok(())
+        })
+    }
+
     fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
         let desc = Op {
             kind: OpKind::Broadcast,
