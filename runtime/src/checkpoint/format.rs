@@ -8,13 +8,13 @@
 //! Face loaders check.
 
 use std::collections::BTreeMap;
-use std::io::{Read, Write};
+use std::io::Write;
 use std::path::Path;
 
 use candle_core::{CpuStorage, DType, Device, Storage, Tensor};
 use serde_json::{Map, Value};
 
-use super::fsio::open_regular;
+pub(crate) use super::read::{read_header, read_tensors};
 use crate::error::{Error, Result};
 
 /// Upper bound on the JSON header, matching the reference implementation's guard against
@@ -318,7 +318,7 @@ pub(crate) fn parse_header(path: &Path, text: &[u8], data_len: u64) -> Result<He
     Ok(Header { tensors, metadata })
 }
 
-fn header_len(path: &Path, prefix: &[u8], file_len: u64) -> Result<u64> {
+pub(super) fn header_len(path: &Path, prefix: &[u8], file_len: u64) -> Result<u64> {
     let n = u64::from_le_bytes(prefix.try_into().map_err(|_| bad(path, "file too short"))?);
     if n > MAX_HEADER || n.saturating_add(8) > file_len {
         return Err(bad(
@@ -327,94 +327,6 @@ fn header_len(path: &Path, prefix: &[u8], file_len: u64) -> Result<u64> {
         ));
     }
     Ok(n)
-}
-
-/// Reads a safetensors file front to back, one tensor at a time, handing each tensor that
-/// `want` accepts to `take` (built on `device`).
-///
-/// Memory stays near the largest tensor. With `expect = Some((size, crc))` the whole file is
-/// checksummed on the way and a mismatch is an error after the last tensor, so a caller that
-/// collects the tensors returns nothing from a damaged file. Only a regular file is read (a
-/// FIFO or device is an error, never a blocking read); `follow_links` says whether a symbolic
-/// link to one is accepted.
-pub(crate) fn read_tensors(
-    path: &Path,
-    follow_links: bool,
-    expect: Option<(u64, u32)>,
-    device: &Device,
-    want: impl Fn(&TensorInfo) -> bool,
-    mut take: impl FnMut(&TensorInfo, Tensor) -> Result<()>,
-) -> Result<Header> {
-    let io = |e| Error::io(format!("reading {}", path.display()), e);
-    let mut f = open_regular(path, follow_links)?;
-    let file_len = f.metadata().map_err(io)?.len();
-    if let Some((size, _)) = expect {
-        if size != file_len {
-            return Err(bad(
-                path,
-                format!(
-                    "is {file_len} bytes but the manifest says {size} (truncated or overwritten)"
-                ),
-            ));
-        }
-    }
-    let mut hasher = crc32fast::Hasher::new();
-    let mut prefix = [0u8; 8];
-    f.read_exact(&mut prefix)
-        .map_err(|_| bad(path, "file too short to be safetensors (truncated?)"))?;
-    hasher.update(&prefix);
-    let n = header_len(path, &prefix, file_len)?;
-    let mut text = vec![0u8; n as usize];
-    f.read_exact(&mut text).map_err(io)?;
-    hasher.update(&text);
-    // A damaged header can fail to parse; with a checksum to compare, call it what it is.
-    let header = match parse_header(path, &text, file_len - 8 - n) {
-        Err(e) if expect.is_some() && hasher.clone().finalize() != expect.map_or(0, |x| x.1) => {
-            return Err(bad(
-                path,
-                format!("checksum does not match the manifest (corrupt file: {e})"),
-            ));
-        }
-        other => other?,
-    };
-    let mut buf = Vec::new();
-    for info in &header.tensors {
-        buf.resize(info.end - info.start, 0);
-        f.read_exact(&mut buf).map_err(io)?;
-        if expect.is_some() {
-            hasher.update(&buf);
-        }
-        if want(info) {
-            take(
-                info,
-                Tensor::from_raw_buffer(&buf, info.dtype, &info.shape, device)?,
-            )?;
-        }
-    }
-    if let Some((_, crc)) = expect {
-        if hasher.finalize() != crc {
-            return Err(bad(
-                path,
-                "checksum does not match the manifest (corrupt file)",
-            ));
-        }
-    }
-    Ok(header)
-}
-
-/// Reads only the header of a safetensors file (a regular file, or a link to one), leaving its
-/// data on disk.
-pub(crate) fn read_header(path: &Path) -> Result<Header> {
-    let io = |e| Error::io(format!("reading {}", path.display()), e);
-    let mut f = open_regular(path, true)?;
-    let file_len = f.metadata().map_err(io)?.len();
-    let mut prefix = [0u8; 8];
-    f.read_exact(&mut prefix)
-        .map_err(|_| bad(path, "file too short to be safetensors (truncated?)"))?;
-    let n = header_len(path, &prefix, file_len)?;
-    let mut text = vec![0u8; n as usize];
-    f.read_exact(&mut text).map_err(io)?;
-    parse_header(path, &text, file_len - 8 - n)
 }
 
 #[cfg(test)]

@@ -58,6 +58,8 @@ fn not_regular(path: &Path, t: FileType) -> Error {
 /// device (it is opened non-blocking and checked before any read). With `follow_links` false a
 /// symbolic link is refused too; with it true the link's target must be a regular file.
 pub(crate) fn open_regular(path: &Path, follow_links: bool) -> Result<File> {
+    #[cfg(test)]
+    opened::record(path);
     if !follow_links {
         let meta = std::fs::symlink_metadata(path).map_err(io_at("inspecting", path))?;
         if !meta.file_type().is_file() {
@@ -78,6 +80,35 @@ pub(crate) fn open_regular(path: &Path, follow_links: bool) -> Result<File> {
         return Err(not_regular(path, t));
     }
     Ok(f)
+}
+
+/// Counts of the files [`open_regular`] opened, by path, so tests can check how often a load
+/// reads each file (every read in the checkpoint code opens through it).
+#[cfg(test)]
+pub(crate) mod opened {
+    use std::collections::HashMap;
+    use std::path::{Path, PathBuf};
+    use std::sync::Mutex;
+
+    static COUNTS: Mutex<Option<HashMap<PathBuf, usize>>> = Mutex::new(None);
+
+    pub(crate) fn record(path: &Path) {
+        let mut counts = COUNTS.lock().unwrap_or_else(|p| p.into_inner());
+        *counts
+            .get_or_insert_with(HashMap::new)
+            .entry(path.to_path_buf())
+            .or_default() += 1;
+    }
+
+    /// How many times each file under `dir` was opened, and forgets them.
+    pub(crate) fn take_under(dir: &Path) -> HashMap<PathBuf, usize> {
+        let mut counts = COUNTS.lock().unwrap_or_else(|p| p.into_inner());
+        let all = counts.get_or_insert_with(HashMap::new);
+        let mine: Vec<PathBuf> = all.keys().filter(|p| p.starts_with(dir)).cloned().collect();
+        mine.into_iter()
+            .filter_map(|p| all.remove_entry(&p))
+            .collect()
+    }
 }
 
 /// Reads a whole regular file (see [`open_regular`]).

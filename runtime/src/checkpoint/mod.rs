@@ -18,13 +18,17 @@ mod checks;
 pub mod faults;
 mod format;
 pub(crate) mod fsio;
+#[cfg(test)]
+mod load_tests;
 pub mod lock;
 mod manifest;
 pub mod model;
 pub mod project;
+mod read;
 pub(crate) mod restore;
 pub mod staging;
 pub mod store;
+mod swap;
 
 pub use lock::FolderLock;
 pub use model::{

@@ -1,13 +1,16 @@
 //! Loading training state all or nothing.
 //!
 //! [`Accelerator::check_checkpoint`] reads every file this rank needs (rank 0's models and
-//! optimizers, its own loaders, RNG, scaler, partial sums and registered objects), checks each
-//! against the manifest's checksum, and parses and compares every piece with the live objects
+//! optimizers, its own loaders, RNG, scaler, partial sums and registered objects) exactly once,
+//! checks each against the manifest's checksum on the bytes as they arrive (the tensors land
+//! straight in staging buffers), and parses and compares every piece with the live objects
 //! (component counts, tensor names, shapes and dtypes, the JSON of each position and state)
 //! without changing anything. Only when every rank's check passed does
-//! [`Accelerator::apply_plan`] change state: registered objects and optimizers first (each
-//! refusal undoes the ones already loaded), then the small pieces, and the model weights last,
-//! streamed from disk one tensor at a time so memory stays near one tensor.
+//! [`Accelerator::apply_plan`] change state, from memory (the disk is not read again, so a file
+//! changed after the check cannot leave anything half loaded): registered objects and
+//! optimizers first (each refusal undoes the ones already loaded), then the small pieces, and
+//! the model weights last. Staging costs one extra copy of the weights in memory until they
+//! are applied.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -18,6 +21,7 @@ use serde_json::Value;
 use super::checks::{check_optimizer, check_scaler};
 use super::format::bad;
 use super::store::{self, Listing, RankState};
+use super::swap;
 use crate::accelerator::Accelerator;
 use crate::data::LoaderPosition;
 use crate::error::{Error, Result};
@@ -29,6 +33,8 @@ use crate::stateful::StateDict;
 /// Everything a load will apply, already read, parsed and checked.
 pub(crate) struct Plan {
     dir: PathBuf,
+    /// Per model: its saved weights, already checked against the live variables.
+    models: Vec<Vec<(String, Tensor)>>,
     optimizers: Vec<StateDict>,
     loaders: Vec<LoaderPosition>,
     rng: RngState,
@@ -199,13 +205,25 @@ impl Accelerator {
             ));
         }
         let rank = self.process_index();
-        // Model weights are only checksummed and listed here; they stream in after every check.
-        let (shared, listings) = store::read_rank_listed(dir, 0, |c| !c.starts_with("model_"))?;
+        // Every file is read once, here; the model weights wait in memory until every check passed.
+        let (mut shared, listings) = store::read_rank_in(dir, &manifest, 0, |_| true)?;
         self.check_components(dir, 0, &shared)?;
+        // Taken out, so the plan holds the only handle on each staged buffer.
+        let mut models = Vec::new();
+        for i in 0..self.models.len() {
+            let c = shared
+                .components
+                .iter_mut()
+                .find(|c| c.name == format!("model_{i}"));
+            models.push(
+                c.map(|c| std::mem::take(&mut c.tensors))
+                    .unwrap_or_default(),
+            );
+        }
         let mine = if rank == 0 {
             shared.clone()
         } else {
-            let (s, _) = store::read_rank_listed(dir, rank, |_| true)?;
+            let (s, _) = store::read_rank_in(dir, &manifest, rank, |_| true)?;
             self.check_components(dir, rank, &s)?;
             s
         };
@@ -277,6 +295,7 @@ impl Accelerator {
         }
         Ok(Plan {
             dir: dir.to_path_buf(),
+            models,
             optimizers,
             loaders,
             rng,
@@ -330,6 +349,7 @@ impl Accelerator {
     pub(crate) fn apply_plan(&mut self, plan: Plan) -> Result<()> {
         let Plan {
             dir,
+            models,
             optimizers,
             loaders,
             rng,
@@ -352,29 +372,18 @@ impl Accelerator {
         for (m, s) in self.models.iter_mut().zip(sums) {
             m.sums = s;
         }
-        for i in 0..self.models.len() {
-            let m = &self.models[i];
-            let set = |name: &str, t: Tensor| -> Result<()> {
-                let Some(j) = m.names.iter().position(|n| n == name) else {
-                    return Ok(());
+        for (m, saved) in self.models.iter().zip(models) {
+            for (name, t) in saved {
+                // `check_model` matched every saved name to a variable of this model.
+                let Some(j) = m.names.iter().position(|n| *n == name) else {
+                    continue;
                 };
                 let (master, compute) = (&m.master[j], &m.compute[j]);
-                master.set(&t.to_dtype(master.dtype())?.to_device(master.device())?)?;
+                swap::move_into(master, t)?;
                 if compute.as_tensor().id() != master.as_tensor().id() {
                     compute.set(&master.as_tensor().to_dtype(compute.dtype())?)?;
                 }
-                Ok(())
-            };
-            store::stream_checked(&dir, 0, &format!("model_{i}"), set).map_err(|e| {
-                bad(
-                    &dir,
-                    format!(
-                        "changed on disk after it was checked, while model {i}'s weights were \
-                         being read ({e}); the weights are partly loaded: load a checkpoint \
-                         again before training"
-                    ),
-                )
-            })?;
+            }
         }
         Ok(())
     }

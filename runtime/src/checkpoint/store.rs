@@ -24,6 +24,7 @@ use super::manifest::{check_entry, encode_manifest, list_files, rank_dir, safe_r
 pub use super::manifest::{
     read_manifest, verify, FileEntry, Manifest, CANDLE_VERSION, FORMAT_VERSION, MANIFEST_FILE,
 };
+use super::read;
 pub use super::staging::{abandon, begin, clean_stale, Cleaned};
 use crate::error::{Error, Result};
 
@@ -312,7 +313,20 @@ pub fn read_rank_listed(
     rank: usize,
     keep: impl Fn(&str) -> bool,
 ) -> Result<(RankState, BTreeMap<String, Listing>)> {
-    let m = read_manifest(dir)?;
+    read_rank_in(dir, &read_manifest(dir)?, rank, keep)
+}
+
+/// [`read_rank_listed`] against a manifest the caller already read (and will act on), so a
+/// load reads every file of the checkpoint once. Each file is read exactly once, its size and
+/// checksum compared with `manifest` on the bytes as they arrive; the tensors of kept
+/// components are read straight into the buffers they come back in.
+pub(crate) fn read_rank_in(
+    dir: &Path,
+    manifest: &Manifest,
+    rank: usize,
+    keep: impl Fn(&str) -> bool,
+) -> Result<(RankState, BTreeMap<String, Listing>)> {
+    let m = manifest;
     if rank >= m.world_size {
         return Err(bad(
             dir,
@@ -362,19 +376,18 @@ pub fn read_rank_listed(
     for name in index.components {
         check_component_name(&name)?;
         let e = entry(&format!("{name}.safetensors"))?;
-        let mut tensors = Vec::new();
-        let wanted = keep(&name);
-        let header = format::read_tensors(
-            &dir.join(&e.path),
-            false,
-            Some((e.size, e.crc32)),
-            &Device::Cpu,
-            |_| wanted,
-            |info, t| {
-                tensors.push((info.name.clone(), t));
-                Ok(())
-            },
-        )?;
+        let path = dir.join(&e.path);
+        let (header, tensors) = if keep(&name) {
+            let (header, tensors) = read::read_checked(&path, (e.size, e.crc32))?;
+            let named = header.tensors.iter().map(|t| t.name.clone()).zip(tensors);
+            let named = named.collect();
+            (header, named)
+        } else {
+            let expect = Some((e.size, e.crc32));
+            let header =
+                format::read_tensors(&path, false, expect, &Device::Cpu, |_| false, |_, _| Ok(()))?;
+            (header, Vec::new())
+        };
         let file = format!("{name}.json");
         let json = serde_json::from_slice(&read(&file)?).map_err(|e| {
             bad(
