@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! cargo build --release --workspace --bins --examples
-//! target/release/ivme launch --num_processes 2 target/release/examples/bench_ddp [rounds]
+//! target/release/ivme launch --num_processes 2 target/release/examples/bench_ddp [rounds] [tiny|wide]
 //! ```
 //!
 //! The hand-written loop: candle's forward and backward, every gradient copied to one host
@@ -236,7 +236,9 @@ fn main() -> ivme::Result<()> {
             steps: 16,
         },
     ];
-    for case in &cases {
+    // An optional second argument keeps only the cases whose name starts with it.
+    let only = std::env::args().nth(2).unwrap_or_default();
+    for case in cases.iter().filter(|c| c.name.starts_with(only.as_str())) {
         let data = batches(case, rank, size)?;
         let (mut hand_loop, mut our_loop) = (Hand::new(case)?, Ours::new(&mut acc, case)?);
         // Warm-up: one round of each.

@@ -54,17 +54,6 @@ pub(crate) struct Finish {
     pub inv_scale: Option<f32>,
 }
 
-impl Finish {
-    #[inline]
-    fn apply(self, x: f32) -> f32 {
-        let y = x * self.inv_world;
-        match self.inv_scale {
-            Some(s) => y * s + 0.0,
-            None => y,
-        }
-    }
-}
-
 /// The persistent buffers and layout of one prepared model's gradient sync.
 #[derive(Debug, Default)]
 pub(crate) struct SyncBuffers {
@@ -229,9 +218,22 @@ impl InplaceOp1 for CopyIn<'_> {
                 dst.len()
             )
         }
-        let f = self.finish;
-        for (d, &x) in dst.iter_mut().zip(self.src) {
-            *d = f.apply(x);
+        let Finish {
+            inv_world,
+            inv_scale,
+        } = self.finish;
+        // One plain loop per case, so that it vectorises.
+        match inv_scale {
+            Some(s) => {
+                for (d, &x) in dst.iter_mut().zip(self.src) {
+                    *d = (x * inv_world) * s + 0.0;
+                }
+            }
+            None => {
+                for (d, &x) in dst.iter_mut().zip(self.src) {
+                    *d = x * inv_world;
+                }
+            }
         }
         if self.check && !dst.iter().all(|v| v.is_finite()) {
             self.non_finite.set(true);
