@@ -24,6 +24,7 @@ pub(crate) const KEYS: &[&str] = &[
     "total_limit",
     "collective_timeout",
     "debug_sync",
+    "async_checkpoints",
 ];
 
 /// Names users bring from other training libraries, mapped to ours.
@@ -56,6 +57,7 @@ pub(crate) struct Config {
     pub total_limit: Option<Setting<usize>>,
     pub collective_timeout: Option<Setting<f64>>,
     pub debug_sync: Option<Setting<bool>>,
+    pub async_checkpoints: Option<Setting<bool>>,
     /// The key names as written, for errors about the attribute as a whole.
     pub keys: Vec<syn::Path>,
 }
@@ -117,6 +119,10 @@ impl Config {
         if let Some(s) = &self.debug_sync {
             let v = syn::LitBool::new(s.value, s.span);
             calls.extend(quote_spanned!(s.span=> .debug_sync(#v)));
+        }
+        if let Some(s) = &self.async_checkpoints {
+            let v = syn::LitBool::new(s.value, s.span);
+            calls.extend(quote_spanned!(s.span=> .async_checkpoints(#v)));
         }
         calls
     }
@@ -194,13 +200,16 @@ pub(crate) fn parse(attr: TokenStream) -> Result<Config, syn::Error> {
             "clip_grad_value" => {
                 positive_float(&key, value).map(|v| config.clip_grad_value = setting(v, span))
             }
-            "cpu" => boolean(value).map(|v| config.cpu = setting(v, span)),
+            "cpu" => boolean(&key, value).map(|v| config.cpu = setting(v, span)),
             "project_dir" => project_dir(value).map(|v| config.project_dir = setting(v, span)),
             "total_limit" => total_limit(value).map(|v| config.total_limit = setting(v, span)),
             "collective_timeout" => {
                 seconds(&key, value).map(|v| config.collective_timeout = setting(v, span))
             }
-            "debug_sync" => boolean(value).map(|v| config.debug_sync = setting(v, span)),
+            "debug_sync" => boolean(&key, value).map(|v| config.debug_sync = setting(v, span)),
+            "async_checkpoints" => {
+                boolean(&key, value).map(|v| config.async_checkpoints = setting(v, span))
+            }
             _ => seed(value).map(|v| config.seed = setting(v, span)),
         };
         if let Err(e) = result {
@@ -246,6 +255,7 @@ fn missing_value(path: &syn::Path) -> syn::Error {
         "total_limit" => "total_limit = 3",
         "collective_timeout" => "collective_timeout = 600",
         "debug_sync" => "debug_sync = true",
+        "async_checkpoints" => "async_checkpoints = true",
         _ => return unknown_key(path, &key),
     };
     syn::Error::new_spanned(path, format!("`{key}` needs a value, e.g. `{example}`"))
@@ -355,6 +365,22 @@ mod tests {
         assert!(errs[0].contains("at least 1"), "{errs:?}");
         assert!(errs[1].contains("must not be negative"), "{errs:?}");
         assert!(errs[2].contains("positive"), "{errs:?}");
+    }
+
+    #[test]
+    fn async_checkpoints_is_a_boolean_that_becomes_its_builder_call() {
+        let c = parse(quote!(project_dir = "runs/a", async_checkpoints = true)).unwrap();
+        assert!(c.async_checkpoints.as_ref().unwrap().value);
+        let calls = c.builder_calls().to_string();
+        assert!(calls.ends_with(". async_checkpoints (true)"), "{calls}");
+        let errs = errors_of(quote!(async_checkpoints = "yes", debug_sync = 1));
+        assert_eq!(
+            errs,
+            [
+                "`async_checkpoints` takes `true` or `false`",
+                "`debug_sync` takes `true` or `false`"
+            ]
+        );
     }
 
     #[test]

@@ -132,12 +132,12 @@ pub(crate) fn positive_float(key: &str, value: &Expr) -> syn::Result<f64> {
     }
 }
 
-pub(crate) fn boolean(value: &Expr) -> syn::Result<bool> {
+pub(crate) fn boolean(key: &str, value: &Expr) -> syn::Result<bool> {
     match literal(value) {
         Some((Lit::Bool(b), false)) => Ok(b.value),
         _ => Err(syn::Error::new_spanned(
             value,
-            "`cpu` takes `true` or `false`",
+            format!("`{key}` takes `true` or `false`"),
         )),
     }
 }

@@ -50,6 +50,8 @@ pub struct Accelerator {
     pub(crate) grad_state: Arc<GradientState>,
     /// Where the attribute's loops over plain collections stand (saved with the state).
     pub(crate) loop_cursor: Shared<crate::macro_support::LoopCursor>,
+    /// Asynchronous saves: the one being written in the background and its host buffers.
+    pub(crate) background: crate::checkpoint::background::BackgroundSaves,
 }
 
 impl std::fmt::Debug for Accelerator {

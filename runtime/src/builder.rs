@@ -30,6 +30,7 @@ pub struct AcceleratorBuilder {
     total_limit: Option<usize>,
     collective_timeout: Option<Duration>,
     debug_sync: Option<bool>,
+    async_checkpoints: bool,
 }
 
 impl AcceleratorBuilder {
@@ -54,6 +55,15 @@ impl AcceleratorBuilder {
     /// extra collective per collective: for debugging.
     pub fn debug_sync(mut self, on: bool) -> Self {
         self.debug_sync = Some(on);
+        self
+    }
+
+    /// Makes [`save_state`](Accelerator::save_state) asynchronous: it copies the state into
+    /// host memory and returns, a background thread writes the files, and the checkpoint is
+    /// committed at the next save, `wait_for_checkpoint`, `load_state` or the end of training
+    /// (see [`save_state_async`](Accelerator::save_state_async)). Off by default.
+    pub fn async_checkpoints(mut self, on: bool) -> Self {
+        self.async_checkpoints = on;
         self
     }
 
@@ -231,6 +241,7 @@ impl AcceleratorBuilder {
             project,
             checkpoint_locks: Vec::new(),
             loop_cursor: Shared::new(Default::default()),
+            background: crate::checkpoint::background::BackgroundSaves::new(self.async_checkpoints),
             trackers: Shared::new(None),
             // Rank-specific streams: dropout on different data must not share masks.
             rng: Shared::new(Rng::new(mix(self.seed.unwrap_or(0), rank as u64))),

@@ -34,13 +34,13 @@
 
 pub mod accelerator;
 pub mod autocast;
+mod bucket;
 mod builder;
 pub mod checkpoint;
 pub mod comm;
 pub mod config;
 pub mod data;
 pub mod error;
-mod bucket;
 pub mod grads;
 pub mod logging;
 pub mod memory;

@@ -57,7 +57,7 @@ impl Accelerator {
 
     /// Agrees on one outcome across ranks: if any rank failed, every rank returns an error
     /// (instead of the others waiting forever at the next collective).
-    fn agree<T>(&self, what: &str, local: Result<T>) -> Result<T> {
+    pub(crate) fn agree<T>(&self, what: &str, local: Result<T>) -> Result<T> {
         let flag = [u8::from(local.is_err())];
         let all = self.comm().all_gather_bytes(&flag)?;
         match local {
@@ -88,7 +88,7 @@ impl Accelerator {
         )
     }
 
-    fn rank_state(&self) -> Result<RankState> {
+    pub(crate) fn rank_state(&self) -> Result<RankState> {
         let mut components = Vec::new();
         if self.is_main_process() {
             for (i, m) in self.models.iter().enumerate() {
@@ -157,7 +157,28 @@ impl Accelerator {
     /// temporary folder of its own; a save to an explicit `dir` that another process commits
     /// first fails with an error instead of merging the two. Any write error (a full disk
     /// included) names the file and leaves the previous checkpoints as they were.
+    ///
+    /// With [`async_checkpoints(true)`](crate::AcceleratorBuilder::async_checkpoints) this is
+    /// [`save_state_async`](Self::save_state_async): it returns the folder it *will* commit.
+    /// Otherwise it first finishes a save still running in the background.
     pub fn save_state(&mut self, dir: Option<&Path>) -> Result<PathBuf> {
+        if self.background.by_default {
+            return self.save_state_async(dir);
+        }
+        self.wait_for_checkpoint()?;
+        let (target, tmp) = self.start_save(dir)?;
+        let wrote = self
+            .rank_state()
+            .and_then(|s| store::write_rank(&tmp, self.process_index(), &s));
+        let meta = self.manifest_meta();
+        self.finish_save(&target, &tmp, meta, wrote)?;
+        Ok(target)
+    }
+
+    /// The first half of every save, on the caller's thread: checks the request on every rank,
+    /// then the main process prepares the folder and every rank learns the (checkpoint,
+    /// temporary folder) pair to write into.
+    pub(crate) fn start_save(&mut self, dir: Option<&Path>) -> Result<(PathBuf, PathBuf)> {
         // Every rank checks the request, so a bad one fails everywhere instead of leaving
         // the other ranks waiting for rank 0's path.
         let auto = self
@@ -179,25 +200,38 @@ impl Accelerator {
             Ok(None)
         };
         let prepared = self.agree("preparing the checkpoint folder", prepared)?;
-        let (target, tmp) = self.broadcast_paths(prepared)?;
-        let wrote = self
-            .rank_state()
-            .and_then(|s| store::write_rank(&tmp, self.process_index(), &s));
+        self.broadcast_paths(prepared)
+    }
+
+    /// What the manifest records about the state as it is now.
+    pub(crate) fn manifest_meta(&self) -> ManifestMeta {
+        ManifestMeta {
+            world_size: self.num_processes(),
+            step: self.optimizer_steps(),
+            extra: json!({ "precision": self.precision().as_str() }),
+        }
+    }
+
+    /// The second half of every save, on the caller's thread: the ranks agree on `wrote` (this
+    /// rank's `write_rank` outcome); then the main process commits and rotates, and the ranks
+    /// agree on that too. On any failure the temporary folder is removed and every rank
+    /// returns an error; the previous checkpoints were never touched.
+    pub(crate) fn finish_save(
+        &mut self,
+        target: &Path,
+        tmp: &Path,
+        meta: ManifestMeta,
+        wrote: Result<()>,
+    ) -> Result<()> {
         if let Err(e) = self.agree("writing the state", wrote) {
             if self.is_main_process() {
                 // The previous checkpoints were never touched; free the space this one took.
-                let _ = store::abandon(&tmp);
+                let _ = store::abandon(tmp);
             }
             return Err(e);
         }
-        let step = self.optimizer_steps();
         let committed = if self.is_main_process() {
-            let meta = ManifestMeta {
-                world_size: self.num_processes(),
-                step,
-                extra: json!({ "precision": self.precision().as_str() }),
-            };
-            store::commit(&tmp, &target, meta).and_then(|_| {
+            store::commit(tmp, target, meta).and_then(|_| {
                 if let Some(p) = &mut self.project {
                     p.iteration += 1;
                     if let Some(limit) = p.total_limit {
@@ -212,8 +246,7 @@ impl Accelerator {
             }
             Ok(())
         };
-        self.agree("committing the checkpoint", committed)?;
-        Ok(target)
+        self.agree("committing the checkpoint", committed)
     }
 
     /// The main process's part of starting a save: the folder, its lock, recovery of crashed
@@ -296,7 +329,8 @@ impl Accelerator {
     /// Restores the state saved by [`save_state`](Self::save_state) from `dir`, or (with
     /// `None`) from the newest project checkpoint whose files verify, after finishing or
     /// clearing what crashed saves left behind. Call it after preparing and registering the
-    /// same objects as the saving run. Returns the folder.
+    /// same objects as the saving run. Returns the folder. A save still running in the
+    /// background ([`save_state_async`](Self::save_state_async)) is committed first.
     ///
     /// All or nothing: every rank first reads and checks everything it would load (checksums,
     /// component counts, tensor shapes and dtypes against the live model and optimizers, the
@@ -304,6 +338,8 @@ impl Accelerator {
     /// check passed does anything change, and an object that still refuses its state has the
     /// ones loaded before it put back. On an error, the training state is as it was.
     pub fn load_state(&mut self, dir: Option<&Path>) -> Result<PathBuf> {
+        // A save still being written must land first: it may be the one asked for.
+        self.wait_for_checkpoint()?;
         let chosen = if self.is_main_process() {
             let found = match (dir, &self.project) {
                 // Each rank checks every file it reads against the manifest while loading.
@@ -353,6 +389,7 @@ impl Accelerator {
     /// checkpoint at all (start fresh), and an error when there are checkpoints but none
     /// verifies, when the newest valid one does not fit the prepared objects (nothing is
     /// changed then), or when no [`ProjectConfiguration`] is set. Every rank must call it.
+    /// A save still running in the background is committed first.
     ///
     /// ```no_run
     /// # fn main() -> ivme::Result<()> {
@@ -369,6 +406,7 @@ impl Accelerator {
     /// # Ok(()) }
     /// ```
     pub fn load_state_if_any(&mut self) -> Result<Option<PathBuf>> {
+        self.wait_for_checkpoint()?;
         let Some(project) = self.project.clone() else {
             return Err(Error::Usage(
                 "load_state_if_any needs a ProjectConfiguration to find checkpoints; set one with \

@@ -9,10 +9,13 @@
 //! - [`lock`]: one writing job per checkpoint folder (an advisory lock naming its holder).
 //! - [`staging`]: a uniquely named, claimed temporary folder per save, and recovery of what
 //!   crashed saves leave behind.
+//! - [`background`]: asynchronous saves: the state copied into host memory, written by a
+//!   background thread, committed at the next wait point.
 //!
 //! These are plain functions over tensors, JSON and paths; the [`Accelerator`](crate::Accelerator)
 //! gathers the state and puts barriers between the steps.
 
+pub mod background;
 mod checks;
 #[doc(hidden)]
 pub mod faults;
