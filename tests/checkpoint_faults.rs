@@ -452,3 +452,36 @@ fn a_model_in_the_hub_cache_layout_loads_through_relative_links() {
         );
     }
 }
+
+#[test]
+fn two_ranks_skip_a_newest_checkpoint_damaged_on_one_rank_alike() {
+    // Rank 1's own file of the newest checkpoint has one flipped bit (same size, so only the
+    // checksum taken while loading can tell): both ranks must drop it and resume from the
+    // older one together, without a separate verification pass.
+    let s = Scratch::new("faults-newest-2r");
+    let project = s.0.join("project");
+    let p = project.to_str().unwrap();
+    let (ok, lines, err) = Job::start(launched(2, &["resume", p, "2"])).finish();
+    assert!(ok, "{err}");
+    let saved = saved(&lines);
+    assert_eq!(saved.len(), 2, "{lines:?}");
+    let newest = PathBuf::from(&saved[1].0);
+    let file = newest.join("rank1/rng.safetensors");
+    let file = if file.is_file() {
+        file
+    } else {
+        newest.join("rank1/training.safetensors")
+    };
+    let mut bytes = std::fs::read(&file).unwrap();
+    let at = bytes.len() - 1;
+    bytes[at] ^= 1;
+    std::fs::write(&file, &bytes).unwrap();
+    let (ok, lines, err) = Job::start(launched(2, &["resume", p, "0"])).finish();
+    assert!(ok, "{err}");
+    assert_eq!(
+        lines.first().map(String::as_str),
+        Some(format!("loaded {} {}", saved[0].0, saved[0].1).as_str()),
+        "{lines:?}\n{err}"
+    );
+    assert!(err.contains("skipping damaged checkpoint"), "{err}");
+}

@@ -16,7 +16,8 @@
 use crate::accelerator::Accelerator;
 use crate::checkpoint::fsio::parent_of;
 use crate::checkpoint::model::{load_checkpoint_in_model, save_model, LoadReport, ShardSize};
-use crate::checkpoint::project::{find_resumable, latest_valid, rotate, ProjectConfiguration};
+use crate::checkpoint::newest::Newest;
+use crate::checkpoint::project::{rotate, ProjectConfiguration};
 use crate::checkpoint::store::{self, Component, ManifestMeta, RankState};
 use crate::checkpoint::FolderLock;
 use crate::error::{Error, Result};
@@ -77,7 +78,7 @@ impl Accelerator {
         }
     }
 
-    fn broadcast_path(&self, path: Option<PathBuf>) -> Result<Option<PathBuf>> {
+    pub(crate) fn broadcast_path(&self, path: Option<PathBuf>) -> Result<Option<PathBuf>> {
         let bytes = path
             .map(|p| p.to_string_lossy().into_owned().into_bytes())
             .unwrap_or_default();
@@ -301,7 +302,7 @@ impl Accelerator {
 
     /// Finishes or clears what crashed saves left in the project's checkpoints folder before a
     /// load picks the newest; a problem here only warns (a read-only copy can still be loaded).
-    fn recover_for_load(&self, checkpoints_dir: &Path) {
+    pub(crate) fn recover_for_load(&self, checkpoints_dir: &Path) {
         match store::clean_stale(checkpoints_dir) {
             Ok(c) => {
                 for r in &c.recovered {
@@ -340,32 +341,44 @@ impl Accelerator {
     pub fn load_state(&mut self, dir: Option<&Path>) -> Result<PathBuf> {
         // A save still being written must land first: it may be the one asked for.
         self.wait_for_checkpoint()?;
-        let chosen = if self.is_main_process() {
-            let found = match (dir, &self.project) {
-                // Each rank checks every file it reads against the manifest while loading.
-                (Some(d), _) => store::read_manifest(d).map(|_| d.to_path_buf()),
-                (None, Some(p)) => {
-                    self.recover_for_load(&p.checkpoints_dir());
-                    latest_valid(&p.checkpoints_dir()).and_then(|f| {
-                        f.map(|(d, _)| d).ok_or_else(|| Error::Checkpoint {
-                            path: p.checkpoints_dir(),
-                            msg: "holds no complete checkpoint to resume from".into(),
-                        })
+        let dir = match (dir, self.project.clone()) {
+            (Some(d), _) => {
+                let chosen = if self.is_main_process() {
+                    // Each rank checks every file it reads against the manifest while loading.
+                    store::read_manifest(d).map(|_| Some(d.to_path_buf()))
+                } else {
+                    Ok(None)
+                };
+                let chosen = self.agree("finding the checkpoint", chosen)?;
+                let dir = self
+                    .broadcast_path(chosen)?
+                    .ok_or_else(|| Error::Usage("no checkpoint chosen".into()))?;
+                self.load_checked(&dir)?;
+                dir
+            }
+            (None, Some(p)) => match self.load_newest(&p.checkpoints_dir())? {
+                Newest::Loaded(dir) => dir,
+                Newest::Empty => {
+                    return Err(Error::Checkpoint {
+                        path: p.checkpoints_dir(),
+                        msg: "holds no complete checkpoint to resume from".into(),
                     })
                 }
-                (None, None) => Err(Error::Usage(
-                    "load_state(None) needs a ProjectConfiguration to find checkpoints; pass a folder".into(),
-                )),
-            };
-            found.map(Some)
-        } else {
-            Ok(None)
+                Newest::NoneSound(n, newest) => {
+                    return Err(Error::Checkpoint {
+                        path: p.checkpoints_dir(),
+                        msg: format!(
+                            "holds no complete checkpoint to resume from ({n} checkpoint(s), \
+                             none verifies; newest: {newest})"
+                        ),
+                    })
+                }
+            },
+            (None, None) => return Err(Error::Usage(
+                "load_state(None) needs a ProjectConfiguration to find checkpoints; pass a folder"
+                    .into(),
+            )),
         };
-        let chosen = self.agree("finding the checkpoint", chosen)?;
-        let dir = self
-            .broadcast_path(chosen)?
-            .ok_or_else(|| Error::Usage("no checkpoint chosen".into()))?;
-        self.load_checked(&dir)?;
         Ok(dir)
     }
 
@@ -414,18 +427,17 @@ impl Accelerator {
                     .into(),
             ));
         };
-        let chosen = if self.is_main_process() {
-            self.recover_for_load(&project.checkpoints_dir());
-            find_resumable(&project.checkpoints_dir())
-        } else {
-            Ok(None)
-        };
-        let chosen = self.agree("finding the checkpoint", chosen)?;
-        let Some(dir) = self.broadcast_path(chosen)? else {
-            return Ok(None);
-        };
-        self.load_checked(&dir)?;
-        Ok(Some(dir))
+        match self.load_newest(&project.checkpoints_dir())? {
+            Newest::Loaded(dir) => Ok(Some(dir)),
+            Newest::Empty => Ok(None),
+            Newest::NoneSound(n, newest) => Err(Error::Checkpoint {
+                path: project.checkpoints_dir(),
+                msg: format!(
+                    "holds {n} checkpoint(s) but none verifies (newest: {newest}); delete the \
+                     damaged folders to start fresh, or load an intact copy"
+                ),
+            }),
+        }
     }
 
     /// Waits for every process, then the main process writes the models' f32 weights as

@@ -31,10 +31,14 @@ fn bits(vars: &[Var]) -> Vec<Vec<u32>> {
         .collect()
 }
 
-/// A prepared model with AdamW state after one step, saved to `dir`; returns the variables
-/// (sorted by name) and the optimizer, so a test can move on and load back.
-fn saved_run(dir: &Path) -> (Accelerator, Vec<Var>, AcceleratedOptimizer<AdamW>) {
+/// A prepared model with AdamW state (in a project at `project`, if given), its variables
+/// sorted by name, and its optimizer.
+fn prepared(project: Option<&Path>) -> (Accelerator, Vec<Var>, AcceleratedOptimizer<AdamW>) {
     let mut acc = Accelerator::builder().cpu(true).build().unwrap();
+    if let Some(p) = project {
+        let config = super::ProjectConfiguration::new(p).automatic_checkpoint_naming(true);
+        acc.set_project_configuration(config).unwrap();
+    }
     let varmap = VarMap::new();
     let init = Init::Uniform { lo: -1.0, up: 1.0 };
     // Large enough that the weight file is read by several threads where there are cores.
@@ -45,22 +49,104 @@ fn saved_run(dir: &Path) -> (Accelerator, Vec<Var>, AcceleratedOptimizer<AdamW>)
         .get(2100, "a.bias", init, DType::F32, &Device::Cpu)
         .unwrap();
     let opt = AdamW::new(varmap.all_vars(), ParamsAdamW::default()).unwrap();
-    let (varmap, mut opt) = acc.prepare((varmap, opt)).unwrap();
+    let (varmap, opt) = acc.prepare((varmap, opt)).unwrap();
     let mut vars: Vec<(String, Var)> = varmap.data().lock().unwrap().clone().into_iter().collect();
     vars.sort_by(|a, b| a.0.cmp(&b.0));
     let vars: Vec<Var> = vars.into_iter().map(|(_, v)| v).collect();
-    let step = |acc: &mut Accelerator, opt: &mut AcceleratedOptimizer<AdamW>| {
-        let loss = (vars[0].as_tensor().sqr().unwrap().sum_all().unwrap()
-            + vars[1].as_tensor().sum_all().unwrap())
-        .unwrap();
-        let grads = acc.backward(&loss).unwrap();
-        opt.step(&grads).unwrap();
-    };
-    step(&mut acc, &mut opt);
+    (acc, vars, opt)
+}
+
+/// One training step.
+fn step(acc: &mut Accelerator, opt: &mut AcceleratedOptimizer<AdamW>, vars: &[Var]) {
+    let loss = (vars[0].as_tensor().sqr().unwrap().sum_all().unwrap()
+        + vars[1].as_tensor().sum_all().unwrap())
+    .unwrap();
+    let grads = acc.backward(&loss).unwrap();
+    opt.step(&grads).unwrap();
+}
+
+/// A prepared model with AdamW state after one step, saved to `dir`; returns the variables
+/// (sorted by name) and the optimizer, so a test can move on and load back.
+fn saved_run(dir: &Path) -> (Accelerator, Vec<Var>, AcceleratedOptimizer<AdamW>) {
+    let (mut acc, vars, mut opt) = prepared(None);
+    step(&mut acc, &mut opt, &vars);
     acc.save_state(Some(dir)).unwrap();
     // Move on, so that a load is visible.
-    step(&mut acc, &mut opt);
+    step(&mut acc, &mut opt, &vars);
     (acc, vars, opt)
+}
+
+/// The files of checkpoint `ck`, per its manifest.
+fn listed(ck: &Path) -> Vec<PathBuf> {
+    verify(ck)
+        .unwrap()
+        .files
+        .iter()
+        .map(|e| ck.join(&e.path))
+        .collect()
+}
+
+/// How many times each of `files` was opened.
+fn opened_files(
+    files: &[PathBuf],
+    counts: &std::collections::HashMap<PathBuf, usize>,
+) -> Vec<usize> {
+    files
+        .iter()
+        .map(|f| counts.get(f).copied().unwrap_or(0))
+        .collect()
+}
+
+#[test]
+fn resuming_from_a_project_reads_each_file_once_and_skips_a_damaged_newest() {
+    let root = scratch("load-newest");
+    let (mut acc, vars, mut opt) = prepared(Some(&root));
+    step(&mut acc, &mut opt, &vars);
+    let first = acc.save_state(None).unwrap();
+    let w1 = bits(&vars);
+    step(&mut acc, &mut opt, &vars);
+    let second = acc.save_state(None).unwrap();
+    let w2 = bits(&vars);
+    step(&mut acc, &mut opt, &vars);
+    let checkpoints = root.join("checkpoints");
+    let (first_files, second_files) = (listed(&first), listed(&second));
+    opened::take_under(&checkpoints);
+    assert_eq!(acc.load_state(None).unwrap(), second);
+    assert_eq!(bits(&vars), w2);
+    let counts = opened::take_under(&checkpoints);
+    let once = opened_files(&second_files, &counts);
+    assert!(once.iter().all(|&n| n == 1), "load_state(None): {counts:?}");
+    assert!(opened_files(&first_files, &counts).iter().all(|&n| n == 0));
+    assert_eq!(acc.load_state_if_any().unwrap(), Some(second.clone()));
+    let counts = opened::take_under(&checkpoints);
+    let once = opened_files(&second_files, &counts);
+    assert!(
+        once.iter().all(|&n| n == 1),
+        "load_state_if_any: {counts:?}"
+    );
+    // One flipped bit in the newest weights (same size, so only the checksum can tell):
+    // the older checkpoint is loaded instead, and nothing of the damaged one was applied.
+    step(&mut acc, &mut opt, &vars);
+    let path = second.join("rank0/model_0.safetensors");
+    let mut bytes = std::fs::read(&path).unwrap();
+    let at = bytes.len() - 400;
+    bytes[at] ^= 1;
+    std::fs::write(&path, &bytes).unwrap();
+    assert_eq!(acc.load_state_if_any().unwrap(), Some(first.clone()));
+    assert_eq!(bits(&vars), w1);
+    step(&mut acc, &mut opt, &vars);
+    assert_eq!(acc.load_state(None).unwrap(), first);
+    assert_eq!(bits(&vars), w1);
+    // Both damaged: an error, never a fresh start.
+    let path = first.join("rank0/model_0.safetensors");
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[at] ^= 1;
+    std::fs::write(&path, &bytes).unwrap();
+    let e = acc.load_state_if_any().unwrap_err().to_string();
+    assert!(e.contains("none verifies") && e.contains("checksum"), "{e}");
+    let e = acc.load_state(None).unwrap_err().to_string();
+    assert!(e.contains("no complete checkpoint"), "{e}");
+    let _ = std::fs::remove_dir_all(&root);
 }
 
 #[test]

@@ -26,6 +26,7 @@ mod load_tests;
 pub mod lock;
 mod manifest;
 pub mod model;
+pub(crate) mod newest;
 pub mod project;
 mod read;
 pub(crate) mod restore;

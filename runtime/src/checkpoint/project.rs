@@ -121,6 +121,15 @@ fn numbered(dir: &Path) -> Result<Vec<(u64, PathBuf)>> {
     Ok(out)
 }
 
+/// Every `checkpoint_{n}` folder in `checkpoints_dir`, newest (highest number) first.
+pub(crate) fn newest_first(checkpoints_dir: &Path) -> Result<Vec<PathBuf>> {
+    Ok(numbered(checkpoints_dir)?
+        .into_iter()
+        .rev()
+        .map(|(_, d)| d)
+        .collect())
+}
+
 /// The newest (by number) checkpoint in `checkpoints_dir` whose manifest verifies.
 ///
 /// Checkpoints that fail verification are skipped with a warning on stderr naming why;

@@ -47,6 +47,26 @@ pub(crate) struct Plan {
     custom: Vec<StateDict>,
 }
 
+/// What [`Accelerator::classify_checkpoint`] found.
+pub(crate) enum Checked {
+    /// Everything read, checked and ready to apply.
+    Ready(Box<Plan>),
+    /// A file does not match the manifest (size, checksum, format): the checkpoint is damaged.
+    Damaged(Error),
+}
+
+/// Why a plan could not be made: the checkpoint is damaged, or it does not fit this run.
+enum Refusal {
+    Damaged(Error),
+    Unfit(Error),
+}
+
+impl From<Error> for Refusal {
+    fn from(e: Error) -> Self {
+        Refusal::Unfit(e)
+    }
+}
+
 fn state_of(s: &RankState, name: &str) -> Option<StateDict> {
     s.get(name).map(|c| StateDict {
         tensors: c.tensors.clone(),
@@ -182,19 +202,34 @@ impl Accelerator {
 
     /// Reads and checks everything this rank would load from `dir`; changes nothing.
     pub(crate) fn check_checkpoint(&self, dir: &Path) -> Result<Plan> {
-        self.plan_checkpoint(dir).map_err(|e| match e {
+        match self.classify_checkpoint(dir)? {
+            Checked::Ready(plan) => Ok(*plan),
+            Checked::Damaged(e) => Err(e),
+        }
+    }
+
+    /// [`check_checkpoint`](Self::check_checkpoint), telling a damaged checkpoint (a file
+    /// that does not match its manifest, which an older checkpoint may stand in for) from one
+    /// that is sound but does not fit this run (an error).
+    pub(crate) fn classify_checkpoint(&self, dir: &Path) -> Result<Checked> {
+        let nothing_loaded = |e: Error| match e {
             Error::Checkpoint { path, msg } => Error::Checkpoint {
                 path,
                 msg: format!("{msg} (nothing was loaded)"),
             },
             other => other,
-        })
+        };
+        match self.plan_checkpoint(dir) {
+            Ok(plan) => Ok(Checked::Ready(Box::new(plan))),
+            Err(Refusal::Damaged(e)) => Ok(Checked::Damaged(nothing_loaded(e))),
+            Err(Refusal::Unfit(e)) => Err(nothing_loaded(e)),
+        }
     }
 
-    fn plan_checkpoint(&self, dir: &Path) -> Result<Plan> {
-        let manifest = store::read_manifest(dir)?;
+    fn plan_checkpoint(&self, dir: &Path) -> std::result::Result<Plan, Refusal> {
+        let manifest = store::read_manifest(dir).map_err(Refusal::Damaged)?;
         if manifest.world_size != self.num_processes() {
-            return Err(bad(
+            return Err(Refusal::Unfit(bad(
                 dir,
                 format!(
                     "was saved by {} processes but this run has {}; resume with `ivme launch --num_processes {}`",
@@ -202,11 +237,12 @@ impl Accelerator {
                     self.num_processes(),
                     manifest.world_size
                 ),
-            ));
+            )));
         }
         let rank = self.process_index();
         // Every file is read once, here; the model weights wait in memory until every check passed.
-        let (mut shared, listings) = store::read_rank_in(dir, &manifest, 0, |_| true)?;
+        let (mut shared, listings) =
+            store::read_rank_in(dir, &manifest, 0, |_| true).map_err(Refusal::Damaged)?;
         self.check_components(dir, 0, &shared)?;
         // Taken out, so the plan holds the only handle on each staged buffer.
         let mut models = Vec::new();
@@ -223,7 +259,8 @@ impl Accelerator {
         let mine = if rank == 0 {
             shared.clone()
         } else {
-            let (s, _) = store::read_rank_in(dir, &manifest, rank, |_| true)?;
+            let (s, _) =
+                store::read_rank_in(dir, &manifest, rank, |_| true).map_err(Refusal::Damaged)?;
             self.check_components(dir, rank, &s)?;
             s
         };

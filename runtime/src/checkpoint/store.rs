@@ -20,6 +20,7 @@ use super::format::{self, bad};
 use super::fsio::{
     io_at, parent_of, read_regular, remove_dir_atomic, rename_noreplace, sync_dir, write_synced,
 };
+pub(crate) use super::manifest::verify_listing;
 use super::manifest::{check_entry, encode_manifest, list_files, rank_dir, safe_rel, RANK_INDEX};
 pub use super::manifest::{
     read_manifest, verify, FileEntry, Manifest, CANDLE_VERSION, FORMAT_VERSION, MANIFEST_FILE,
