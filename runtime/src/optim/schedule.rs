@@ -2,9 +2,10 @@
 //!
 //! A schedule is a pure function from "real optimizer steps taken" to a multiplier of the base
 //! learning rate. The [`LrScheduler`] reads the step count from the optimizer's
-//! [`OptimizerLink`] instead of counting its own calls, so it advances exactly once per real
-//! optimizer step however often `step()` is called: accumulation micro-steps, skipped fp16
-//! steps and calls on every rank do not move it (DESIGN.md, decision 1).
+//! [`OptimizerLink`](crate::optim::OptimizerLink) instead of counting its own calls, so it
+//! advances exactly once per real optimizer step however often `step()` is called:
+//! accumulation micro-steps, skipped fp16 steps and calls on every rank do not move it
+//! (DESIGN.md, decision 1).
 
 pub use super::scheduler::LrScheduler;
 use crate::error::{Error, Result};
