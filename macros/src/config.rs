@@ -63,6 +63,11 @@ pub(crate) struct Config {
 }
 
 impl Config {
+    /// Whether the attribute asked for checkpoints saved in the background.
+    pub fn async_checkpoints(&self) -> bool {
+        self.async_checkpoints.as_ref().is_some_and(|s| s.value)
+    }
+
     /// True when the attribute asked for a low-precision mode.
     pub fn low_precision(&self) -> bool {
         matches!(&self.precision, Some(p) if p.value != "no")

@@ -75,10 +75,36 @@ pub(crate) fn expand(attr: TokenStream, item: TokenStream) -> TokenStream {
             let #scope = #acc.autocast_scope();
         });
     }
+    if let (Source::Created(acc), true) = (&source, config.async_checkpoints()) {
+        commit_before_returning(&mut body, acc, &func.sig);
+    }
     body.stmts.splice(0..0, prologue);
     let mut func = func;
     *func.block = body;
     quote!(#func)
+}
+
+/// With `async_checkpoints = true` and an Accelerator the attribute created, the last save
+/// may still be writing when the body returns: the body runs as a closure, and a successful
+/// result is returned only once that save committed, so a failed commit is the function's
+/// error rather than a message from the Accelerator's drop. (An `async fn` or an `impl Trait`
+/// return type cannot be named on a closure; those keep the drop as their wait point.)
+fn commit_before_returning(body: &mut syn::Block, acc: &syn::Ident, sig: &syn::Signature) {
+    let syn::ReturnType::Type(_, ret) = &sig.output else {
+        return;
+    };
+    if sig.asyncness.is_some() || quote!(#ret).to_string().contains("impl") {
+        return;
+    }
+    let stmts = std::mem::take(&mut body.stmts);
+    let wrapped: syn::Block = parse_quote! {{
+        let __ivme_trained = (|| -> #ret { #(#stmts)* })();
+        if __ivme_trained.is_ok() {
+            #acc.wait_for_checkpoint()?;
+        }
+        __ivme_trained
+    }};
+    body.stmts = wrapped.stmts;
 }
 
 fn with_errors(error: syn::Error, item: TokenStream) -> TokenStream {

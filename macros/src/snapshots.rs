@@ -491,3 +491,36 @@ fn snapshot_of_the_main_example_matches_the_docs() {
         "docs/macro.md must show the current expansion of examples/tutorial_macro.rs:\n{snapshot}"
     );
 }
+
+#[test]
+fn async_checkpoints_commit_the_last_save_before_a_created_accelerator_returns() {
+    assert_expands(
+        quote!(async_checkpoints = true),
+        quote!(
+            fn f() -> anyhow::Result<u32> {
+                if done() {
+                    return Ok(1);
+                }
+                Ok(2)
+            }
+        ),
+        quote! {
+            fn f() -> anyhow::Result<u32> {
+                #[allow(unused_mut, unused_variables)]
+                let mut accelerator = ::ivme::Accelerator::builder()
+                    .async_checkpoints(true)
+                    .build()?;
+                let __ivme_trained = (|| -> anyhow::Result<u32> {
+                    if done() {
+                        return Ok(1);
+                    }
+                    Ok(2)
+                })();
+                if __ivme_trained.is_ok() {
+                    accelerator.wait_for_checkpoint()?;
+                }
+                __ivme_trained
+            }
+        },
+    );
+}
