@@ -13,7 +13,7 @@ use super::ops::{describe, Op, OpKind};
 use super::watch::{Ending, Watch};
 use super::{CommOptions, Communicator, ReduceOp};
 use crate::error::{Error, Result};
-use candle_core::{DType, Device, Tensor};
+use candle_core::{CpuStorage, DType, Device, Tensor};
 use mpi::collective::SystemOperation;
 use mpi::datatype::{Equivalence, PartitionMut};
 use mpi::environment::Universe;
@@ -161,6 +161,19 @@ impl MpiComm {
     }
 
     fn reduce_f32(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        // A contiguous f32 tensor in host memory is sent from its own storage, uncopied.
+        if t.device().is_cpu() && t.dtype() == DType::F32 {
+            let (storage, layout) = t.storage_and_layout();
+            if let (candle_core::Storage::Cpu(CpuStorage::F32(data)), Some((a, b))) =
+                (&*storage, layout.contiguous_offsets())
+            {
+                let mut recv = vec![0f32; b - a];
+                self.world
+                    .all_reduce_into(&data[a..b], &mut recv[..], Self::op(op));
+                drop(storage);
+                return back(self.mean(recv, op), t);
+            }
+        }
         let send = host_f32(t)?;
         let zeros = vec![0f32; send.len()];
         let recv = self.all_reduce_vec(send, zeros, op);
