@@ -54,6 +54,7 @@ pub mod scaler;
 pub mod state;
 pub mod stateful;
 pub mod tracking;
+mod window;
 
 #[doc(hidden)]
 pub mod macro_support;
