@@ -7,7 +7,7 @@
 //! a gradient is copied into the send buffer, the buffers are reduced, and the mean comes back
 //! into the gradient's own storage (the window's sum, which nothing else holds), so a step of
 //! the sync allocates no buffer and no tensor. Gradients elsewhere (a GPU) or in another form
-//! take the general path of [`all_reduce_bucketed`](crate::grads::all_reduce_bucketed).
+//! take the general path, [`all_reduce_bucketed`].
 
 use std::cell::{Cell, RefCell};
 use std::ops::Range;
@@ -16,7 +16,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::backprop::GradStore;
 use candle_core::{CpuStorage, DType, InplaceOp1, Layout, Tensor, Var};
 
-use crate::comm::Communicator;
+use crate::comm::{Communicator, ReduceOp};
 use crate::error::Result;
 
 /// Cuts variables of `sizes` elements (f32) into consecutive buckets of at most `bucket_bytes`
@@ -41,6 +41,42 @@ pub(crate) fn cut(
         out.push(start..end);
     }
     out
+}
+
+/// Averages `grads` across processes with one collective per bucket of at most
+/// `bucket_bytes` (a tensor larger than a bucket travels alone).
+///
+/// `position` says where this rank's data stands (see
+/// [`GradientState::position`](crate::grads::GradientState::position)); every rank must pass
+/// the same value, or the sync fails on every rank instead of averaging gradients of
+/// different batches.
+pub fn all_reduce_bucketed(
+    comm: &dyn Communicator,
+    grads: &mut [Tensor],
+    bucket_bytes: usize,
+    position: u64,
+) -> Result<()> {
+    let sizes: Vec<usize> = grads.iter().map(Tensor::elem_count).collect();
+    for bucket in cut(sizes, bucket_bytes) {
+        let (start, end) = (bucket.start, bucket.end);
+        let flat: Vec<Tensor> = grads[start..end]
+            .iter()
+            .map(|g| g.flatten_all())
+            .collect::<candle_core::Result<_>>()?;
+        let flat = if flat.len() == 1 {
+            flat[0].clone()
+        } else {
+            Tensor::cat(&flat, 0)?
+        };
+        let reduced = comm.all_reduce_checked(&flat, ReduceOp::Mean, position)?;
+        let mut offset = 0;
+        for g in &mut grads[start..end] {
+            let n = g.elem_count();
+            *g = reduced.narrow(0, offset, n)?.reshape(g.shape())?;
+            offset += n;
+        }
+    }
+    Ok(())
 }
 
 /// What the unpacking of a reduced bucket does to each value: `x * inv_world`, then the

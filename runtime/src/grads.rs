@@ -1,8 +1,9 @@
 //! Gradients: accumulation over micro-batches, bucketed averaging across processes,
 //! unscaling, overflow detection and clipping.
 
-use crate::bucket::{cut, Finish, SyncBuffers};
-use crate::comm::{Communicator, ReduceOp};
+pub use crate::bucket::all_reduce_bucketed;
+use crate::bucket::{Finish, SyncBuffers};
+use crate::comm::Communicator;
 use crate::data::StepObserver;
 use crate::error::{Error, Result};
 use candle_core::backprop::GradStore;
@@ -384,41 +385,6 @@ impl ParamSet {
         }
         Ok(overflow)
     }
-}
-
-/// Averages `grads` across processes with one collective per bucket of at most
-/// `bucket_bytes` (a tensor larger than a bucket travels alone).
-///
-/// `position` says where this rank's data stands (see [`GradientState::position`]); every
-/// rank must pass the same value, or the sync fails on every rank instead of averaging
-/// gradients of different batches.
-pub fn all_reduce_bucketed(
-    comm: &dyn Communicator,
-    grads: &mut [Tensor],
-    bucket_bytes: usize,
-    position: u64,
-) -> Result<()> {
-    let sizes: Vec<usize> = grads.iter().map(Tensor::elem_count).collect();
-    for bucket in cut(sizes, bucket_bytes) {
-        let (start, end) = (bucket.start, bucket.end);
-        let flat: Vec<Tensor> = grads[start..end]
-            .iter()
-            .map(|g| g.flatten_all())
-            .collect::<candle_core::Result<_>>()?;
-        let flat = if flat.len() == 1 {
-            flat[0].clone()
-        } else {
-            Tensor::cat(&flat, 0)?
-        };
-        let reduced = comm.all_reduce_checked(&flat, ReduceOp::Mean, position)?;
-        let mut offset = 0;
-        for g in &mut grads[start..end] {
-            let n = g.elem_count();
-            *g = reduced.narrow(0, offset, n)?.reshape(g.shape())?;
-            offset += n;
-        }
-    }
-    Ok(())
 }
 
 #[cfg(test)]
