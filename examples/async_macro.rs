@@ -34,18 +34,9 @@ fn train(width: usize) -> ivme::Result<()> {
     Ok(())
 }
 
-/// Makes writes past `bytes` fail with `EFBIG` instead of raising `SIGXFSZ`.
-fn limit_file_size(bytes: u64) {
-    let limit = libc::rlimit {
-        rlim_cur: bytes,
-        rlim_max: bytes,
-    };
-    // SAFETY: plain system calls on this process, with a valid pointer to a local.
-    unsafe {
-        libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
-        libc::setrlimit(libc::RLIMIT_FSIZE, &limit);
-    }
-}
+#[path = "support/fsize.rs"]
+mod fsize;
+use fsize::limit_file_size;
 
 fn main() {
     if std::env::var("ASYNC_MACRO_FAIL").is_ok_and(|v| v == "1") {

@@ -16,7 +16,7 @@
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Module, Tensor, Var};
-use candle_nn::{linear, Linear, Optimizer, ParamsAdamW, VarBuilder, VarMap};
+use candle_nn::{Optimizer, ParamsAdamW, VarBuilder, VarMap};
 use ivme::rng::Rng;
 use ivme::Accelerator;
 use mpi::collective::SystemOperation;
@@ -31,31 +31,9 @@ use count_alloc::Counts;
 #[global_allocator]
 static ALLOCATOR: count_alloc::Counting = count_alloc::Counting;
 
-struct Mlp(Vec<Linear>);
-
-impl Mlp {
-    fn new(vb: VarBuilder, dims: &[usize]) -> candle_core::Result<Self> {
-        let layers = dims
-            .windows(2)
-            .enumerate()
-            .map(|(i, w)| linear(w[0], w[1], vb.pp(format!("l{i}"))))
-            .collect::<candle_core::Result<_>>()?;
-        Ok(Mlp(layers))
-    }
-}
-
-impl Module for Mlp {
-    fn forward(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
-        let mut h = xs.clone();
-        for (i, l) in self.0.iter().enumerate() {
-            h = l.forward(&h)?;
-            if i + 1 < self.0.len() {
-                h = h.relu()?;
-            }
-        }
-        Ok(h)
-    }
-}
+#[path = "support/mlp.rs"]
+mod mlp;
+use mlp::Mlp;
 
 struct Case {
     name: &'static str,

@@ -6,39 +6,15 @@
 //! Rounds alternate the loops so machine noise hits both alike; the median round counts.
 
 use candle_core::{DType, Device, Module, Tensor};
-use candle_nn::{linear, Linear, Optimizer, ParamsAdamW, VarBuilder, VarMap};
+use candle_nn::{Optimizer, ParamsAdamW, VarBuilder, VarMap};
 use ivme::data::{DataLoader, TensorDataset};
 use ivme::rng::Rng;
 use ivme::{Accelerator, Precision};
 use std::time::Instant;
 
-struct Mlp {
-    layers: Vec<Linear>,
-}
-
-impl Mlp {
-    fn new(vb: VarBuilder, dims: &[usize]) -> candle_core::Result<Self> {
-        let layers = dims
-            .windows(2)
-            .enumerate()
-            .map(|(i, w)| linear(w[0], w[1], vb.pp(format!("l{i}"))))
-            .collect::<candle_core::Result<_>>()?;
-        Ok(Mlp { layers })
-    }
-}
-
-impl Module for Mlp {
-    fn forward(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
-        let mut h = xs.clone();
-        for (i, l) in self.layers.iter().enumerate() {
-            h = l.forward(&h)?;
-            if i + 1 < self.layers.len() {
-                h = h.relu()?;
-            }
-        }
-        Ok(h)
-    }
-}
+#[path = "support/mlp.rs"]
+mod mlp;
+use mlp::Mlp;
 
 struct Case {
     name: &'static str,

@@ -172,19 +172,9 @@ impl Run {
     }
 }
 
-/// Makes writes past `bytes` fail with `EFBIG` (instead of the default `SIGXFSZ`), for files
-/// this process writes from now on (MPI's shared-memory files were made at start-up).
-fn limit_file_size(bytes: u64) {
-    let limit = libc::rlimit {
-        rlim_cur: bytes,
-        rlim_max: bytes,
-    };
-    // SAFETY: plain system calls on this process, with a valid pointer to a local.
-    unsafe {
-        libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
-        libc::setrlimit(libc::RLIMIT_FSIZE, &limit);
-    }
-}
+#[path = "support/fsize.rs"]
+mod fsize;
+use fsize::limit_file_size;
 
 fn main() -> ivme::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();

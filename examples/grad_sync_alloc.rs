@@ -8,8 +8,8 @@
 //! second is what the sync allocates. Every rank prints one line:
 //! `rank R steps S sync_large L sync_allocs A sync_bytes B` (per step, averaged).
 
-use candle_core::{DType, Device, Module, Tensor};
-use candle_nn::{linear, Linear, Optimizer, VarBuilder, VarMap};
+use candle_core::{DType, Device, Module};
+use candle_nn::{Optimizer, VarBuilder, VarMap};
 use ivme::optim::{ParamsSgd, Sgd};
 use ivme::rng::Rng;
 use ivme::Accelerator;
@@ -21,20 +21,9 @@ use count_alloc::Counts;
 #[global_allocator]
 static ALLOCATOR: count_alloc::Counting = count_alloc::Counting;
 
-struct Mlp(Vec<Linear>);
-
-impl Module for Mlp {
-    fn forward(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
-        let mut h = xs.clone();
-        for (i, l) in self.0.iter().enumerate() {
-            h = l.forward(&h)?;
-            if i + 1 < self.0.len() {
-                h = h.relu()?;
-            }
-        }
-        Ok(h)
-    }
-}
+#[path = "support/mlp.rs"]
+mod mlp;
+use mlp::Mlp;
 
 fn main() -> ivme::Result<()> {
     let steps: u64 = std::env::args()
@@ -44,13 +33,7 @@ fn main() -> ivme::Result<()> {
     let mut acc = Accelerator::builder().seed(7).build()?;
     let varmap = VarMap::new();
     let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
-    let dims = [64, 256, 256, 1];
-    let layers = dims
-        .windows(2)
-        .enumerate()
-        .map(|(i, w)| linear(w[0], w[1], vb.pp(format!("l{i}"))))
-        .collect::<candle_core::Result<Vec<_>>>()?;
-    let model = Mlp(layers);
+    let model = Mlp::new(vb, &[64, 256, 256, 1])?;
     let params = ParamsSgd {
         lr: 0.01,
         ..Default::default()
