@@ -47,6 +47,7 @@ pub mod memory;
 pub mod metrics;
 pub mod optim;
 pub mod prepare;
+mod precision;
 pub mod progress;
 mod resume;
 pub mod rng;

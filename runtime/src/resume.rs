@@ -466,9 +466,7 @@ impl Accelerator {
         let report = load_checkpoint_in_model(&vars, path, self.device())?;
         for m in &self.models {
             for (c, master) in m.compute.iter().zip(&m.master) {
-                if c.as_tensor().id() != master.as_tensor().id() {
-                    c.set(&master.as_tensor().to_dtype(c.dtype())?)?;
-                }
+                crate::precision::refresh_copy(c, master)?;
             }
         }
         Ok(report)

@@ -417,9 +417,7 @@ impl Accelerator {
                 };
                 let (master, compute) = (&m.master[j], &m.compute[j]);
                 swap::move_into(master, t)?;
-                if compute.as_tensor().id() != master.as_tensor().id() {
-                    compute.set(&master.as_tensor().to_dtype(compute.dtype())?)?;
-                }
+                crate::precision::refresh_copy(compute, master)?;
             }
         }
         Ok(())

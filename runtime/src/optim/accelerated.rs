@@ -46,7 +46,7 @@ impl<O: StatefulOptimizer> AcceleratedOptimizer<O> {
         self.inner.lock().step(grads.store())?;
         self.skipped = false;
         for (copy, master) in &self.copies {
-            copy.set(&master.as_tensor().to_dtype(copy.dtype())?)?;
+            crate::precision::refresh_copy(copy, master)?;
         }
         Ok(())
     }
