@@ -7,6 +7,8 @@ use crate::error::Result;
 use candle_core::Tensor;
 
 #[cfg(feature = "mpi")]
+mod host;
+#[cfg(feature = "mpi")]
 mod mpi;
 #[cfg(feature = "mpi")]
 mod ops;
@@ -58,6 +60,65 @@ pub trait Communicator {
         recv.copy_from_slice(&r.to_vec1::<f32>()?);
         Ok(())
     }
+    /// Sums every rank's `send` and leaves this rank's shard of the sum in `recv`.
+    ///
+    /// Shards lie in rank order, rank `r`'s holding `counts[r]` values (they may differ, such
+    /// as a shorter last shard): `send` holds all of them on every rank, `recv` this rank's.
+    /// Every rank must pass the same `counts`.
+    /// With [`all_gather_into`](Self::all_gather_into) it is sharded data parallelism's
+    /// gradient sync, into the caller's buffers.
+    fn reduce_scatter_sum_into(
+        &self,
+        send: &[f32],
+        recv: &mut [f32],
+        counts: &[usize],
+    ) -> Result<()> {
+        let start = check_shards(
+            self.world_size(),
+            self.rank(),
+            counts,
+            recv.len(),
+            send.len(),
+        )?;
+        let mut full = vec![0f32; send.len()];
+        self.all_reduce_sum_into(send, &mut full, 0)?;
+        recv.copy_from_slice(&full[start..start + recv.len()]);
+        Ok(())
+    }
+    /// Concatenates every rank's shard `send`, in rank order, into every rank's `recv`.
+    ///
+    /// Rank `r`'s shard holds `counts[r]` elements of `elem_bytes` bytes each: any dtype,
+    /// moved as bytes, so f16/bf16 shards travel at their own size. Every rank must pass the
+    /// same `counts`.
+    fn all_gather_into(
+        &self,
+        send: &[u8],
+        recv: &mut [u8],
+        counts: &[usize],
+        elem_bytes: usize,
+    ) -> Result<()> {
+        let bytes: Vec<usize> = counts.iter().map(|c| c * elem_bytes).collect();
+        check_shards(
+            self.world_size(),
+            self.rank(),
+            &bytes,
+            send.len(),
+            recv.len(),
+        )?;
+        let parts = self.all_gather_bytes(send)?;
+        let mut at = 0;
+        for (part, n) in parts.iter().zip(&bytes) {
+            if part.len() != *n {
+                return Err(crate::Error::Comm(format!(
+                    "all_gather_into: a rank sent {} bytes for a shard of {n}",
+                    part.len()
+                )));
+            }
+            recv[at..at + n].copy_from_slice(part);
+            at += n;
+        }
+        Ok(())
+    }
     /// Every rank gets rank `root`'s `t`.
     fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor>;
     /// Concatenates every rank's `t` along dimension 0, in rank order.
@@ -83,6 +144,26 @@ pub(crate) fn check_lengths(send: &[f32], recv: &[f32]) -> Result<()> {
             recv.len()
         )))
     }
+}
+
+/// Checks a sharded collective's layout: one count per rank, this rank's shard of `mine`
+/// elements, all shards `whole` together. Returns where this rank's shard starts.
+pub(crate) fn check_shards(
+    world: usize,
+    rank: usize,
+    counts: &[usize],
+    mine: usize,
+    whole: usize,
+) -> Result<usize> {
+    let total: usize = counts.iter().sum();
+    if counts.len() != world || counts.get(rank) != Some(&mine) || total != whole {
+        return Err(crate::Error::Comm(format!(
+            "a sharded collective on rank {rank} of {world} got shard sizes {counts:?} \
+             (total {total}) for a shard of {mine} and a whole of {whole}: give one size per \
+             rank, this rank's equal to its shard, adding up to the whole"
+        )));
+    }
+    Ok(counts[..rank].iter().sum())
 }
 
 /// Wraps a communicator and counts the collectives it runs, so tests and reports can show
@@ -142,6 +223,25 @@ impl Communicator for Counted {
     fn all_reduce_sum_into(&self, send: &[f32], recv: &mut [f32], position: u64) -> Result<()> {
         self.tick();
         self.inner.all_reduce_sum_into(send, recv, position)
+    }
+    fn reduce_scatter_sum_into(
+        &self,
+        send: &[f32],
+        recv: &mut [f32],
+        counts: &[usize],
+    ) -> Result<()> {
+        self.tick();
+        self.inner.reduce_scatter_sum_into(send, recv, counts)
+    }
+    fn all_gather_into(
+        &self,
+        send: &[u8],
+        recv: &mut [u8],
+        counts: &[usize],
+        elem_bytes: usize,
+    ) -> Result<()> {
+        self.tick();
+        self.inner.all_gather_into(send, recv, counts, elem_bytes)
     }
     fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
         self.tick();

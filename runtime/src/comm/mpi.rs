@@ -9,6 +9,7 @@
 //! collectives (all ranks are known to be in them). Dropping the communicator finalizes MPI
 //! only after every rank said goodbye, so a failing rank never hangs the job.
 
+use super::host::{back, host_f32, shard_counts};
 use super::ops::{describe, Op, OpKind};
 use super::watch::{Ending, Watch};
 use super::{CommOptions, Communicator, ReduceOp};
@@ -17,6 +18,7 @@ use candle_core::{CpuStorage, DType, Device, Tensor};
 use mpi::collective::SystemOperation;
 use mpi::datatype::{Equivalence, PartitionMut};
 use mpi::environment::Universe;
+use mpi::raw::AsRaw;
 use mpi::topology::Communicator as _;
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::{CommunicatorCollectives, Root};
@@ -201,16 +203,6 @@ fn keep_or_leak<B>(res: Result<()>, buffers: B) -> Result<B> {
     }
 }
 
-// Brings a tensor to a contiguous host vector of a type MPI can reduce.
-fn host_f32(t: &Tensor) -> Result<Vec<f32>> {
-    Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
-}
-
-fn back(data: Vec<f32>, like: &Tensor) -> Result<Tensor> {
-    let t = Tensor::from_vec(data, like.shape(), &Device::Cpu)?;
-    Ok(t.to_dtype(like.dtype())?.to_device(like.device())?)
-}
-
 fn is_int(dt: DType) -> bool {
     matches!(dt, DType::I64 | DType::U32 | DType::U8)
 }
@@ -284,6 +276,82 @@ impl Communicator for MpiComm {
         self.collective(desc, || {
             self.world
                 .all_reduce_into(send, recv, SystemOperation::sum());
+            Ok(())
+        })
+    }
+
+    fn reduce_scatter_sum_into(
+        &self,
+        send: &[f32],
+        recv: &mut [f32],
+        counts: &[usize],
+    ) -> Result<()> {
+        let counts = shard_counts(counts, 1)?;
+        let usize_counts: Vec<usize> = counts.iter().map(|&c| c as usize).collect();
+        super::check_shards(
+            self.world_size(),
+            self.rank(),
+            &usize_counts,
+            recv.len(),
+            send.len(),
+        )?;
+        let desc = Op {
+            kind: OpKind::ReduceScatter,
+            count: send.len() as u64,
+            root: 0,
+            position: 0,
+        };
+        self.collective(desc, || {
+            // SAFETY: `send` holds the sum of `counts` f32 values and `recv` this rank's count
+            // (checked above); every rank is in this call, so the blocking reduction returns
+            // with both buffers released.
+            unsafe {
+                mpi::ffi::MPI_Reduce_scatter(
+                    send.as_ptr().cast(),
+                    recv.as_mut_ptr().cast(),
+                    counts.as_ptr(),
+                    f32::equivalent_datatype().as_raw(),
+                    SystemOperation::sum().as_raw(),
+                    self.world.as_raw(),
+                );
+            }
+            Ok(())
+        })
+    }
+
+    fn all_gather_into(
+        &self,
+        send: &[u8],
+        recv: &mut [u8],
+        counts: &[usize],
+        elem_bytes: usize,
+    ) -> Result<()> {
+        let bytes = shard_counts(counts, elem_bytes)?;
+        let usize_bytes: Vec<usize> = bytes.iter().map(|&c| c as usize).collect();
+        super::check_shards(
+            self.world_size(),
+            self.rank(),
+            &usize_bytes,
+            send.len(),
+            recv.len(),
+        )?;
+        let displs: Vec<Count> = bytes
+            .iter()
+            .scan(0, |acc, &c| {
+                let d = *acc;
+                *acc += c;
+                Some(d)
+            })
+            .collect();
+        let desc = Op {
+            kind: OpKind::AllGatherInto,
+            count: recv.len() as u64,
+            root: 0,
+            position: 0,
+        };
+        self.collective(desc, || {
+            let mut part = PartitionMut::new(recv, &bytes[..], &displs[..]);
+            self.world.all_gather_varcount_into(send, &mut part);
             Ok(())
         })
     }

@@ -34,6 +34,10 @@ pub(crate) enum OpKind {
     AllGatherBytes = 6,
     /// `barrier`.
     Barrier = 7,
+    /// `reduce_scatter_sum_into`.
+    ReduceScatter = 8,
+    /// `all_gather_into`.
+    AllGatherInto = 9,
 }
 
 impl OpKind {
@@ -46,6 +50,8 @@ impl OpKind {
             5 => OpKind::BroadcastBytes,
             6 => OpKind::AllGatherBytes,
             7 => OpKind::Barrier,
+            8 => OpKind::ReduceScatter,
+            9 => OpKind::AllGatherInto,
             _ => return None,
         })
     }
@@ -59,6 +65,8 @@ impl OpKind {
             OpKind::BroadcastBytes => "broadcast_bytes",
             OpKind::AllGatherBytes => "all_gather_bytes",
             OpKind::Barrier => "barrier (wait_for_everyone)",
+            OpKind::ReduceScatter => "reduce_scatter",
+            OpKind::AllGatherInto => "all_gather_into",
         }
     }
 }
