@@ -286,15 +286,14 @@ impl Communicator for MpiComm {
         recv: &mut [f32],
         counts: &[usize],
     ) -> Result<()> {
-        let counts = shard_counts(counts, 1)?;
-        let usize_counts: Vec<usize> = counts.iter().map(|&c| c as usize).collect();
         super::check_shards(
             self.world_size(),
             self.rank(),
-            &usize_counts,
+            counts,
             recv.len(),
             send.len(),
         )?;
+        let counts = shard_counts(counts, 1)?;
         let desc = Op {
             kind: OpKind::ReduceScatter,
             count: send.len() as u64,
@@ -326,15 +325,18 @@ impl Communicator for MpiComm {
         counts: &[usize],
         elem_bytes: usize,
     ) -> Result<()> {
+        let whole: usize = counts.iter().sum();
+        let mine = counts.get(self.rank()).copied().unwrap_or(0);
+        super::check_shards(self.world_size(), self.rank(), counts, mine, whole)?;
         let bytes = shard_counts(counts, elem_bytes)?;
-        let usize_bytes: Vec<usize> = bytes.iter().map(|&c| c as usize).collect();
-        super::check_shards(
-            self.world_size(),
-            self.rank(),
-            &usize_bytes,
-            send.len(),
-            recv.len(),
-        )?;
+        if send.len() != mine * elem_bytes || recv.len() != whole * elem_bytes {
+            return Err(Error::Comm(format!(
+                "all_gather_into: {} bytes to send and {} to receive for a shard of {mine} and \
+                 a whole of {whole} elements of {elem_bytes} bytes",
+                send.len(),
+                recv.len()
+            )));
+        }
         let displs: Vec<Count> = bytes
             .iter()
             .scan(0, |acc, &c| {
