@@ -52,6 +52,8 @@ pub struct Accelerator {
     pub(crate) loop_cursor: Shared<crate::macro_support::LoopCursor>,
     /// Asynchronous saves: the one being written in the background and its host buffers.
     pub(crate) background: crate::checkpoint::background::BackgroundSaves,
+    /// Stops a run whose forward pass is NaN in bf16/fp16 (model_dtype.rs).
+    pub(crate) loss_guard: crate::model_dtype::LossGuard,
 }
 
 impl std::fmt::Debug for Accelerator {
@@ -362,6 +364,7 @@ impl Accelerator {
         } else {
             loss.to_dtype(DType::F32)?
         };
+        self.loss_guard.record(self.precision, &loss);
         let loss = if factor == 1.0 {
             loss
         } else {
@@ -401,6 +404,7 @@ impl Accelerator {
                 &mut out,
             )?;
         }
+        self.loss_guard.at_sync(self.precision, overflow)?;
         if let Some(s) = &mut self.scaler {
             s.update(overflow);
         }

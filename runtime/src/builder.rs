@@ -207,6 +207,7 @@ impl AcceleratorBuilder {
         }
         let device = select_device(local_rank, cpu.value)?;
         check_precision(precision.value, &device)?;
+        crate::model_dtype::set_active(precision.value);
         let state = ProcessState {
             rank,
             world_size: world,
@@ -241,6 +242,7 @@ impl AcceleratorBuilder {
             project,
             checkpoint_locks: Vec::new(),
             loop_cursor: Shared::new(Default::default()),
+            loss_guard: Default::default(),
             background: crate::checkpoint::background::BackgroundSaves::new(self.async_checkpoints),
             trackers: Shared::new(None),
             // Rank-specific streams: dropout on different data must not share masks.

@@ -13,7 +13,7 @@ pub type Result<T> = std::result::Result<T, Error>;
 pub enum Error {
     /// A tensor operation failed inside candle.
     #[error(transparent)]
-    Candle(#[from] candle_core::Error),
+    Candle(candle_core::Error),
 
     /// A file or folder could not be read or written.
     #[error("{context}: {source}")]
@@ -68,6 +68,14 @@ pub enum Error {
     /// Misuse of an API, with the fix in the message.
     #[error("{0}")]
     Usage(String),
+}
+
+/// A dtype error that the process's bf16/fp16 precision caused becomes a [`Error::Precision`]
+/// that says what happened and what to do; every other candle error is [`Error::Candle`].
+impl From<candle_core::Error> for Error {
+    fn from(e: candle_core::Error) -> Self {
+        crate::model_dtype::explain(e)
+    }
 }
 
 impl std::fmt::Debug for Error {

@@ -45,6 +45,7 @@ pub mod grads;
 pub mod logging;
 pub mod memory;
 pub mod metrics;
+mod model_dtype;
 pub mod optim;
 mod precision;
 pub mod prepare;

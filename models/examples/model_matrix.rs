@@ -1,0 +1,166 @@
+//! Trains a small candle-transformers model a few steps, one of three ways, and writes its final
+//! weights: the model matrix that `tests/model_matrix.rs` checks.
+//!
+//! ```text
+//! model_matrix FAMILY plain OUT WORLD     # plain candle, one process, f32
+//! ivme launch --num_processes N model_matrix FAMILY hand OUT    # ivme by hand
+//! ivme launch --num_processes N model_matrix FAMILY macro OUT   # the plain loop under #[accelerate]
+//! ```
+//!
+//! FAMILY is one of `llama`, `qwen2`, `bert`, `vit`, `t5`, `llama2c` (examples/support/models.rs).
+//! The precision comes from the launcher (`--mixed_precision`, or `IVME_PRECISION`).
+//!
+//! Every epoch is one optimizer step over `GRAD_ACCUM × N` micro-batches: each of the N
+//! processes sums the gradients of its `GRAD_ACCUM` micro-batches. The plain run does the same
+//! maths on one process: one step per epoch over all `GRAD_ACCUM × WORLD` micro-batches at once.
+//! Each run prints one line per process, `losses RANK L0 L1 …` (the mean loss of the process's
+//! micro-batches in each epoch), and writes its weights to `OUT/{way}-rank{RANK}.safetensors`.
+
+#[path = "support/models.rs"]
+mod models;
+
+use candle_core::{DType, Device, Tensor};
+use candle_nn::{Optimizer, VarBuilder, VarMap};
+use ivme::optim::{AdamW, ParamsAdamW};
+use ivme::Accelerator;
+use std::path::{Path, PathBuf};
+
+const GRAD_ACCUM: usize = 2;
+const EPOCHS: usize = 6;
+const SEED: u64 = 11;
+const LR: f64 = 1e-2;
+const WEIGHT_DECAY: f64 = 0.01;
+
+fn params() -> ParamsAdamW {
+    ParamsAdamW {
+        lr: LR,
+        weight_decay: WEIGHT_DECAY,
+        ..Default::default()
+    }
+}
+
+fn report(
+    out: &Path,
+    way: &str,
+    rank: usize,
+    varmap: &VarMap,
+    losses: &[f32],
+) -> candle_core::Result<()> {
+    varmap.save(out.join(format!("{way}-rank{rank}.safetensors")))?;
+    let losses: Vec<String> = losses.iter().map(|l| format!("{l:e}")).collect();
+    println!("losses {rank} {}", losses.join(" "));
+    Ok(())
+}
+
+/// Plain candle: the whole step's micro-batches as one batch, candle-nn's AdamW.
+fn plain(family: &str, world: usize, out: &Path) -> candle_core::Result<()> {
+    let varmap = VarMap::new();
+    let mut task = models::build(
+        family,
+        VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu),
+    )?;
+    models::reinit(&varmap, SEED)?;
+    let p = params();
+    let mut opt = candle_nn::AdamW::new(
+        varmap.all_vars(),
+        candle_nn::ParamsAdamW {
+            lr: p.lr,
+            beta1: p.beta1,
+            beta2: p.beta2,
+            eps: p.eps,
+            weight_decay: p.weight_decay,
+        },
+    )?;
+    let batches = models::batches(family, GRAD_ACCUM * world, SEED)?;
+    let (xs, ys): (Vec<Tensor>, Vec<Tensor>) = batches.into_iter().unzip();
+    let (xs, ys) = (Tensor::cat(&xs, 0)?, Tensor::cat(&ys, 0)?);
+    let mut losses = Vec::new();
+    for _ in 0..EPOCHS {
+        let loss = task.loss(&xs, &ys)?;
+        opt.backward_step(&loss)?;
+        losses.push(loss.to_scalar::<f32>()?);
+    }
+    report(out, "plain", 0, &varmap, &losses)
+}
+
+/// ivme by hand: each process takes every N-th micro-batch.
+fn by_hand(family: &str, out: &Path) -> ivme::Result<()> {
+    let mut accelerator = Accelerator::builder().grad_accum(GRAD_ACCUM).build()?;
+    let varmap = VarMap::new();
+    let mut task = models::build(
+        family,
+        VarBuilder::from_varmap(
+            &varmap,
+            accelerator.param_dtype(DType::F32),
+            accelerator.device(),
+        ),
+    )?;
+    models::reinit(&varmap, SEED)?;
+    let opt = AdamW::new(varmap.all_vars(), params())?;
+    let (varmap, mut opt) = accelerator.prepare((varmap, opt))?;
+    let (rank, world) = (accelerator.process_index(), accelerator.num_processes());
+    let batches = models::batches(family, GRAD_ACCUM * world, SEED)?;
+    let mut losses = Vec::new();
+    for _ in 0..EPOCHS {
+        let mut total = 0f32;
+        for (x, y) in batches.iter().skip(rank).step_by(world) {
+            let x = x.to_device(accelerator.device())?;
+            let y = y.to_device(accelerator.device())?;
+            let loss = task.loss(&x, &y)?;
+            let grads = accelerator.backward(&loss)?;
+            opt.step(&grads)?;
+            total += loss.to_scalar::<f32>()?;
+        }
+        losses.push(total / GRAD_ACCUM as f32);
+    }
+    report(out, "hand", rank, &varmap, &losses)?;
+    Ok(())
+}
+
+/// The plain loop, unchanged but for the attribute and ivme's AdamW.
+#[ivme::accelerate(grad_accum = 2)]
+fn under_macro(family: &str, out: &Path) -> ivme::Result<()> {
+    let device = Device::Cpu;
+    let varmap = VarMap::new();
+    let mut task = models::build(
+        family,
+        VarBuilder::from_varmap(&varmap, DType::F32, &device),
+    )?;
+    models::reinit(&varmap, SEED)?;
+    let mut opt = AdamW::new(varmap.all_vars(), params())?;
+    let batches = models::batches(family, GRAD_ACCUM * accelerator.num_processes(), SEED)?;
+    let mut losses = Vec::new();
+    for _ in 0..EPOCHS {
+        let mut total = 0f32;
+        for (x, y) in batches.iter() {
+            let x = x.to_device(&device)?;
+            let y = y.to_device(&device)?;
+            let loss = task.loss(&x, &y)?;
+            opt.backward_step(&loss)?;
+            total += loss.to_scalar::<f32>()?;
+        }
+        losses.push(total / GRAD_ACCUM as f32);
+    }
+    report(out, "macro", accelerator.process_index(), &varmap, &losses)?;
+    Ok(())
+}
+
+fn main() -> ivme::Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let usage = "usage: model_matrix FAMILY (plain OUT WORLD | hand OUT | macro OUT)";
+    let (family, way, out) = match args.as_slice() {
+        [f, w, o, ..] => (f.as_str(), w.as_str(), PathBuf::from(o)),
+        _ => return Err(ivme::Error::Usage(usage.into())),
+    };
+    std::fs::create_dir_all(&out).map_err(candle_core::Error::wrap)?;
+    match way {
+        "plain" => {
+            let world = args.get(3).and_then(|w| w.parse().ok()).unwrap_or(1);
+            plain(family, world, &out)?;
+        }
+        "hand" => by_hand(family, &out)?,
+        "macro" => under_macro(family, &out)?,
+        _ => return Err(ivme::Error::Usage(usage.into())),
+    }
+    Ok(())
+}
