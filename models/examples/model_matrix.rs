@@ -16,6 +16,8 @@
 //! Each run prints one line per process, `losses RANK L0 L1 …` (the mean loss of the process's
 //! micro-batches in each epoch), and writes its weights to `OUT/{way}-rank{RANK}.safetensors`.
 
+#[path = "support/init.rs"]
+mod init;
 #[path = "support/models.rs"]
 mod models;
 
@@ -59,7 +61,7 @@ fn plain(family: &str, world: usize, out: &Path) -> candle_core::Result<()> {
         family,
         VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu),
     )?;
-    models::reinit(&varmap, SEED)?;
+    init::reinit(&varmap, SEED, 0.1)?;
     let p = params();
     let mut opt = candle_nn::AdamW::new(
         varmap.all_vars(),
@@ -95,7 +97,7 @@ fn by_hand(family: &str, out: &Path) -> ivme::Result<()> {
             accelerator.device(),
         ),
     )?;
-    models::reinit(&varmap, SEED)?;
+    init::reinit(&varmap, SEED, 0.1)?;
     let opt = AdamW::new(varmap.all_vars(), params())?;
     let (varmap, mut opt) = accelerator.prepare((varmap, opt))?;
     let (rank, world) = (accelerator.process_index(), accelerator.num_processes());
@@ -126,7 +128,7 @@ fn under_macro(family: &str, out: &Path) -> ivme::Result<()> {
         family,
         VarBuilder::from_varmap(&varmap, DType::F32, &device),
     )?;
-    models::reinit(&varmap, SEED)?;
+    init::reinit(&varmap, SEED, 0.1)?;
     let mut opt = AdamW::new(varmap.all_vars(), params())?;
     let batches = models::batches(family, GRAD_ACCUM * accelerator.num_processes(), SEED)?;
     let mut losses = Vec::new();

@@ -6,10 +6,10 @@
 //! the dtype it computes in from it (`vb.dtype()`), which is what lets the same code run in
 //! f32, bf16 and fp16.
 //!
-//! Include it with `#[path = "support/models.rs"] mod models;`.
+//! Include it with `#[path = "support/models.rs"] mod models;` (and `support/init.rs`).
 
 use candle_core::{DType, Device, IndexOp, Module, Tensor, D};
-use candle_nn::{linear, Linear, VarBuilder, VarMap};
+use candle_nn::{linear, Linear, VarBuilder};
 use candle_transformers::models::{bert, llama, llama2_c, qwen2, t5, vit, xlm_roberta};
 use ivme::rng::Rng;
 
@@ -270,24 +270,6 @@ pub fn build(family: &str, vb: VarBuilder) -> candle_core::Result<Box<dyn Task>>
         }
         other => candle_core::bail!("unknown model family `{other}`; one of {FAMILIES:?}"),
     })
-}
-
-/// Replaces candle's random initialisation (seeded by the OS, so different in every process)
-/// with values from ivme's seeded generator, so that separate runs start from the same
-/// weights. Constant tensors (norm scales, biases) keep their value.
-pub fn reinit(varmap: &VarMap, seed: u64) -> candle_core::Result<()> {
-    let mut vars: Vec<_> = varmap.data().lock().unwrap().clone().into_iter().collect();
-    vars.sort_by(|a, b| a.0.cmp(&b.0));
-    let mut rng = Rng::new(seed);
-    for (_, var) in vars {
-        let t = var.as_tensor().to_dtype(DType::F32)?.flatten_all()?;
-        let constant = (t.max(0)? - t.min(0)?)?.to_scalar::<f32>()? == 0.0;
-        if !constant {
-            let fresh = rng.randn(0.0, 0.1, var.shape(), &Device::Cpu)?;
-            var.set(&fresh.to_dtype(var.dtype())?.to_device(var.device())?)?;
-        }
-    }
-    Ok(())
 }
 
 /// `count` micro-batches of `family`'s task, the same on every process: token sequences whose

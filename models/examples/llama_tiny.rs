@@ -1,0 +1,154 @@
+//! A small Llama from candle-transformers, random init, trained on byte-level text under
+//! `#[accelerate]`: bf16 with f32 masters, 2 micro-batches per step, global-norm clipping,
+//! AdamW with warmup and cosine decay, an eval pass per epoch, a checkpoint every few steps,
+//! and an automatic resume from the newest one.
+//!
+//! ```text
+//! cargo build --release --workspace --bins --examples
+//! target/release/ivme launch --num_processes 2 target/release/examples/llama_tiny
+//! # stop it (or pass stop_after=5), start it again: it resumes where the checkpoint was taken
+//! ```
+//!
+//! Arguments (all optional): `project=DIR` (checkpoints, default `llama_tiny_run`), `epochs=N`
+//! (30), `stop_after=K` (return after the K-th optimizer step of this run, as a crash would),
+//! `out=DIR` (each process writes its final weights to `DIR/rank{R}.safetensors`), `precision=`
+//! `no|bf16|fp16` (bf16).
+//!
+//! candle-transformers' `Llama::forward` returns the logits of the last position only, so each
+//! sample is a 32-byte window and its target the byte after it.
+
+#[path = "support/bytes_llama.rs"]
+mod bytes_llama;
+#[path = "support/init.rs"]
+mod init;
+
+use bytes_llama::{batches, config, loss_of, text, Batch};
+use candle_core::{DType, Device};
+use candle_nn::{Optimizer, VarBuilder, VarMap};
+use candle_transformers::models::llama;
+use ivme::optim::{AdamW, LrScheduler, ParamsAdamW, WarmupCosine};
+use ivme::{Accelerator, Precision};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+/// The training loop, plain candle but for the attribute: it shards `train` across processes,
+/// accumulates, syncs, clips, steps the schedule once per optimizer step, and places tensors.
+#[ivme::accelerate]
+fn fit(
+    acc: &mut Accelerator,
+    train: Vec<Batch>,
+    eval: &[Batch],
+    epochs: usize,
+    stop_after: Option<usize>,
+) -> ivme::Result<VarMap> {
+    let device = Device::Cpu;
+    let cfg = config();
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &device);
+    // The rotary tables follow the weights' dtype (bf16 here): take it from the builder.
+    let mut cache = llama::Cache::new(false, vb.dtype(), &cfg, vb.device())?;
+    let model = llama::Llama::load(vb, &cfg)?;
+    // Seeded, so that every run starts from the same weights (rank 0's are broadcast).
+    init::reinit(&varmap, 17, 0.05)?;
+    let mut opt = AdamW::new(
+        varmap.all_vars(),
+        ParamsAdamW {
+            lr: 1e-2,
+            weight_decay: 0.01,
+            ..Default::default()
+        },
+    )?;
+    // Each process takes ⌈batches / processes⌉ batches an epoch (the last round padded), in
+    // windows of `grad_accum`, the last one possibly short.
+    let per_process = train.len().div_ceil(acc.num_processes());
+    let steps_per_epoch = per_process.div_ceil(acc.gradient_accumulation_steps());
+    let mut schedule = LrScheduler::new(
+        &opt,
+        WarmupCosine::new(4, (epochs * steps_per_epoch) as u64)?,
+    );
+    if let Some(dir) = acc.load_state_if_any()? {
+        acc.print(format!("resumed from {}", dir.display()));
+    }
+    let mut steps = 0;
+    let started = std::time::Instant::now();
+    for epoch in 0..epochs {
+        let mut total = 0f32;
+        let mut seen = 0usize;
+        for (x, y) in train.iter() {
+            let x = x.to_device(&device)?;
+            let y = y.to_device(&device)?;
+            let loss = loss_of(&model.forward(&x, 0, &mut cache)?, &y)?;
+            let grads = loss.backward()?;
+            opt.step(&grads)?;
+            schedule.step();
+            total += loss.to_scalar::<f32>()?;
+            seen += 1;
+            if acc.sync_gradients() {
+                steps += 1;
+                if steps % 4 == 0 || Some(steps) == stop_after {
+                    acc.save_state(None)?;
+                }
+                if Some(steps) == stop_after {
+                    acc.print(format!("stopping after {steps} steps, as asked"));
+                    return Ok(varmap);
+                }
+            }
+        }
+        if seen == 0 {
+            continue; // an epoch the checkpoint had already finished
+        }
+        // Every process evaluates every held-out batch: no backward, so nothing is sharded.
+        let mut eval_total = 0f32;
+        for (x, y) in eval {
+            let logits = model.forward(&x.to_device(&device)?, 0, &mut cache)?;
+            eval_total += loss_of(&logits, y)?.to_scalar::<f32>()?;
+        }
+        acc.print(format!(
+            "epoch {epoch}: train loss {:.3} (this process), eval loss {:.3}, lr {:.2e}",
+            total / seen as f32,
+            eval_total / eval.len().max(1) as f32,
+            schedule.lr()
+        ));
+    }
+    if steps > 0 {
+        acc.print(format!(
+            "{:.1} ms per optimizer step",
+            started.elapsed().as_secs_f64() * 1e3 / steps as f64
+        ));
+    }
+    Ok(varmap)
+}
+
+fn main() -> ivme::Result<()> {
+    let args: BTreeMap<String, String> = std::env::args()
+        .skip(1)
+        .filter_map(|a| a.split_once('=').map(|(k, v)| (k.into(), v.into())))
+        .collect();
+    let get = |k: &str| args.get(k).cloned();
+    let precision: Precision = get("precision").as_deref().unwrap_or("bf16").parse()?;
+    let mut acc = Accelerator::builder()
+        .grad_accum(2)
+        .precision(precision)
+        .clip_grad_norm(1.0)
+        .seed(17)
+        .project_dir(get("project").unwrap_or_else(|| "llama_tiny_run".into()))
+        .total_limit(2)
+        .build()?;
+    let epochs = get("epochs").and_then(|v| v.parse().ok()).unwrap_or(30);
+    let stop_after = get("stop_after").and_then(|v| v.parse().ok());
+    let (train, eval) = batches(&text())?;
+    acc.print(format!(
+        "{} training batches of {} windows on {} process(es), {precision}",
+        train.len(),
+        bytes_llama::BATCH,
+        acc.num_processes()
+    ));
+    let varmap = fit(&mut acc, train, &eval, epochs, stop_after)?;
+    if let Some(out) = get("out") {
+        let out = PathBuf::from(out);
+        std::fs::create_dir_all(&out).map_err(|e| ivme::Error::io("creating out", e))?;
+        acc.wait_for_checkpoint()?;
+        varmap.save(out.join(format!("rank{}.safetensors", acc.process_index())))?;
+    }
+    Ok(())
+}
