@@ -3,23 +3,8 @@
 //! mixed precision) by rewriting its body into the runtime calls a user could write by hand.
 //!
 //! Use it through the runtime crate as `ivme::accelerate`; the rules are documented on the
-//! attribute itself and in `docs/macro.md`.
-
-mod config;
-mod errors;
-mod rewrite;
-mod signature;
-mod values;
-
-#[cfg(test)]
-mod snapshots;
-
-use errors::Errors;
-use proc_macro2::{Span, TokenStream};
-use quote::quote;
-use signature::Source;
-use syn::visit_mut::VisitMut;
-use syn::{parse_quote, Item, ItemFn};
+//! attribute itself and in `docs/macro.md`. The rewriting lives in `ivme-macros-core`, which
+//! `ivme expand` shares.
 
 #[doc = include_str!("../../docs/macro.md")]
 #[proc_macro_attribute]
@@ -27,113 +12,5 @@ pub fn accelerate(
     attr: proc_macro::TokenStream,
     item: proc_macro::TokenStream,
 ) -> proc_macro::TokenStream {
-    expand(attr.into(), item.into()).into()
-}
-
-/// The whole macro over `proc_macro2` tokens, so it can be tested outside the compiler.
-///
-/// On any error it returns the user's item unchanged followed by the `compile_error!`s, so
-/// the rest of the crate (and the IDE) still sees the function.
-pub(crate) fn expand(attr: TokenStream, item: TokenStream) -> TokenStream {
-    let func: ItemFn = match syn::parse2(item.clone()) {
-        Ok(func) => func,
-        Err(_) => return with_errors(not_a_function(&item), item),
-    };
-    let mut errors = Errors::default();
-    let config = config::parse(attr.clone()).unwrap_or_else(|e| {
-        errors.push(e);
-        config::Config::default()
-    });
-    let source = signature::inspect(&func.sig, &config, &attr, &mut errors);
-
-    // Without low precision an autocast scope does nothing, so a created accelerator skips it;
-    // a passed-in one may have been built with any precision, so its scopes stay.
-    let autocast = matches!(source, Source::Param(_)) || config.low_precision();
-    let mut rewriter = rewrite::Rewriter::new(source.ident().clone(), autocast);
-    let mut body = (*func.block).clone();
-    rewriter.visit_block_mut(&mut body);
-    let used_autocast = rewriter.used_autocast;
-    if let Err(e) = rewriter.finish() {
-        errors.push(e);
-    }
-    if let Err(e) = errors.finish() {
-        return with_errors(e, item);
-    }
-
-    let mut prologue: Vec<syn::Stmt> = Vec::new();
-    if let Source::Created(acc) = &source {
-        let calls = config.builder_calls();
-        prologue.push(parse_quote! {
-            #[allow(unused_mut, unused_variables)]
-            let mut #acc = ::ivme::Accelerator::builder() #calls .build()?;
-        });
-    }
-    if used_autocast {
-        let acc = source.ident();
-        let scope = rewrite::scope_binding();
-        prologue.push(parse_quote! {
-            let #scope = #acc.autocast_scope();
-        });
-    }
-    if let (Source::Created(acc), true) = (&source, config.async_checkpoints()) {
-        commit_before_returning(&mut body, acc, &func.sig);
-    }
-    body.stmts.splice(0..0, prologue);
-    let mut func = func;
-    *func.block = body;
-    quote!(#func)
-}
-
-/// With `async_checkpoints = true` and an Accelerator the attribute created, the last save
-/// may still be writing when the body returns: the body runs as a closure, and a successful
-/// result is returned only once that save committed, so a failed commit is the function's
-/// error rather than a message from the Accelerator's drop. (An `async fn` or an `impl Trait`
-/// return type cannot be named on a closure; those keep the drop as their wait point.)
-fn commit_before_returning(body: &mut syn::Block, acc: &syn::Ident, sig: &syn::Signature) {
-    let syn::ReturnType::Type(_, ret) = &sig.output else {
-        return;
-    };
-    if sig.asyncness.is_some() || quote!(#ret).to_string().contains("impl") {
-        return;
-    }
-    let stmts = std::mem::take(&mut body.stmts);
-    let wrapped: syn::Block = parse_quote! {{
-        let __ivme_trained = (|| -> #ret { #(#stmts)* })();
-        if __ivme_trained.is_ok() {
-            #acc.wait_for_checkpoint()?;
-        }
-        __ivme_trained
-    }};
-    body.stmts = wrapped.stmts;
-}
-
-fn with_errors(error: syn::Error, item: TokenStream) -> TokenStream {
-    let errors = error.to_compile_error();
-    quote!(#errors #item)
-}
-
-/// The error for an attribute placed on something other than a function with a body, spanned
-/// on the item's keyword (or the attribute when the item does not parse).
-fn not_a_function(item: &TokenStream) -> syn::Error {
-    let (kind, span) = match syn::parse2::<Item>(item.clone()) {
-        Ok(Item::Struct(s)) => ("a struct", s.struct_token.span),
-        Ok(Item::Enum(e)) => ("an enum", e.enum_token.span),
-        Ok(Item::Impl(i)) => (
-            "an impl block (put it on the training method inside)",
-            i.impl_token.span,
-        ),
-        Ok(Item::Mod(m)) => ("a module", m.mod_token.span),
-        Ok(Item::Trait(t)) => ("a trait", t.trait_token.span),
-        Ok(Item::Const(c)) => ("a constant", c.const_token.span),
-        Ok(Item::Static(s)) => ("a static", s.static_token.span),
-        Ok(_) => ("this item", Span::call_site()),
-        Err(_) => ("a function without a body", Span::call_site()),
-    };
-    syn::Error::new(
-        span,
-        format!(
-            "#[accelerate] goes on a training function with a body, e.g. \
-             `fn train(..) -> candle_core::Result<()> {{ .. }}`, not on {kind}"
-        ),
-    )
+    ivme_macros_core::expand(attr.into(), item.into()).into()
 }

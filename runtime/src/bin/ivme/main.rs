@@ -6,6 +6,7 @@
 mod args;
 mod config_cmd;
 mod env_cmd;
+mod expand;
 mod faults;
 mod hosts;
 mod invocation;
@@ -42,6 +43,10 @@ const COMMANDS: &[(&str, &str)] = &[
         selftest::COMMAND,
         "check that training works end to end on the configured processes",
     ),
+    (
+        expand::COMMAND,
+        "print what #[accelerate] writes for a source file's functions, without compiling",
+    ),
 ];
 
 fn usage() -> String {
@@ -68,6 +73,7 @@ fn run(argv: &[String]) -> Result<i32> {
         rank::COMMAND => rank::main(rest),
         config_cmd::COMMAND => config_cmd::main(rest),
         env_cmd::COMMAND => env_cmd::main(rest),
+        expand::COMMAND => expand::main(rest),
         selftest::COMMAND => selftest::main(rest),
         selftest::RANK_COMMAND => selftest::rank_main(rest),
         "-h" | "--help" | "help" => {

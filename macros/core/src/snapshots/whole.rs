@@ -82,7 +82,7 @@ fn snapshot_parameter_form() {
 /// a snapshot and shown verbatim in `docs/macro.md`, so neither can drift from the macro.
 #[test]
 fn snapshot_of_the_main_example_matches_the_docs() {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
     let source = std::fs::read_to_string(root.join("examples/tutorial_macro.rs")).unwrap();
     let file: syn::File = syn::parse_str(&source).unwrap();
     let mut train = file
