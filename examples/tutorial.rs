@@ -51,11 +51,7 @@ fn main() -> ivme::Result<()> {
     let device = accelerator.device().clone();
 
     let varmap = VarMap::new();
-    let model = Mlp::new(VarBuilder::from_varmap(
-        &varmap,
-        accelerator.param_dtype(DType::F32),
-        &device,
-    ))?;
+    let model = Mlp::new(accelerator.var_builder(&varmap, DType::F32))?;
     let opt = AdamW::new(
         varmap.all_vars(),
         ParamsAdamW {

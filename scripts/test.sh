@@ -7,3 +7,6 @@ bash scripts/setup.sh
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 cargo build --workspace --bins --examples
 cargo test --workspace
+# The house rules: formatted, and no clippy warning anywhere (tests and examples included).
+cargo fmt --all --check
+cargo clippy --workspace --all-targets -- -D warnings

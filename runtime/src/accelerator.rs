@@ -54,6 +54,8 @@ pub struct Accelerator {
     pub(crate) background: crate::checkpoint::background::BackgroundSaves,
     /// Stops a run whose forward pass is NaN in bf16/fp16 (model_dtype.rs).
     pub(crate) loss_guard: crate::model_dtype::LossGuard,
+    /// Exact f32 initial values of low-precision variables made by `var_builder`.
+    pub(crate) exact_masters: crate::exact_init::ExactMasters,
 }
 
 impl std::fmt::Debug for Accelerator {
@@ -221,13 +223,18 @@ impl Accelerator {
             if self.precision != Precision::No && dt == DType::F32 {
                 return Err(Error::Precision(format!(
                     "precision is {} but variable `{name}` is f32, so the model would silently \
-                     train in f32; create it with `VarBuilder::from_varmap(&varmap, \
+                     train in f32; create it with `accelerator.var_builder(&varmap, \
+                     DType::F32)` (exact f32 masters) or `VarBuilder::from_varmap(&varmap, \
                      accelerator.param_dtype(DType::F32), accelerator.device())`",
                     self.precision
                 )));
             }
-            // Broadcast in f32: exact for f16/bf16 values, and MPI has no half types.
-            let value = var.as_tensor().to_dtype(DType::F32)?;
+            // Broadcast in f32: exact for f16/bf16 values, and MPI has no half types. A variable
+            // `var_builder` made starts its master from its exact f32 initialisation.
+            let value = match self.take_exact_master(&var)? {
+                Some(exact) => exact,
+                None => var.as_tensor().to_dtype(DType::F32)?,
+            };
             let value = self.comm.broadcast(&value, 0)?;
             let m = if dt == low && dt != DType::F32 {
                 let m = Var::from_tensor(&value)?;

@@ -243,6 +243,7 @@ impl AcceleratorBuilder {
             checkpoint_locks: Vec::new(),
             loop_cursor: Shared::new(Default::default()),
             loss_guard: Default::default(),
+            exact_masters: Shared::new(Default::default()),
             background: crate::checkpoint::background::BackgroundSaves::new(self.async_checkpoints),
             trackers: Shared::new(None),
             // Rank-specific streams: dropout on different data must not share masks.

@@ -41,6 +41,7 @@ pub mod comm;
 pub mod config;
 pub mod data;
 pub mod error;
+mod exact_init;
 pub mod grads;
 pub mod logging;
 pub mod memory;

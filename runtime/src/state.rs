@@ -20,17 +20,6 @@ pub struct ProcessState {
 }
 
 impl ProcessState {
-    /// The state of a lone process on `device`.
-    pub fn single(device: Device) -> Self {
-        ProcessState {
-            rank: 0,
-            world_size: 1,
-            local_rank: 0,
-            local_world_size: 1,
-            device,
-        }
-    }
-
     /// Whether this is global rank 0.
     pub fn is_main_process(&self) -> bool {
         self.rank == 0

@@ -211,10 +211,18 @@ impl Rewriter {
         let acc = self.acc.clone();
         if let Expr::Path(f) = &*call.func {
             if ends_with(&f.path, &["VarBuilder", "from_varmap"]) && call.args.len() == 3 {
+                // The accelerator's builder: its device, the precision's dtype, and under
+                // bf16/fp16 f32 masters from the exact initialisation.
+                // `VarBuilder::clone(..)` through the path written keeps the user's `use` of
+                // `VarBuilder` alive, as rule a does for `Device`.
+                let varmap = call.args[0].clone();
                 let dtype = call.args[1].clone();
-                let device_span = call.args[2].span();
-                call.args[1] = parse_quote_spanned!(dtype.span()=> #acc.param_dtype(#dtype));
-                call.args[2] = parse_quote_spanned!(device_span=> #acc.device());
+                let mut clone = f.path.clone();
+                if let Some(last) = clone.segments.last_mut() {
+                    last.ident = syn::Ident::new("clone", last.ident.span());
+                }
+                let span = e.span();
+                *e = parse_quote_spanned!(span=> #clone(&#acc.var_builder(#varmap, #dtype)));
                 return;
             }
         }

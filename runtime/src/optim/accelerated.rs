@@ -5,7 +5,7 @@ use super::{Linked, OptimizerLink, StatefulOptimizer};
 use crate::error::{Error, Result};
 use crate::grads::Gradients;
 use crate::stateful::{Shared, StateDict, Stateful};
-use candle_core::{DType, Var};
+use candle_core::Var;
 use std::sync::{Arc, MutexGuard};
 
 /// An optimizer handed to [`Accelerator::prepare`](crate::Accelerator::prepare).
@@ -74,11 +74,6 @@ impl<O: StatefulOptimizer> AcceleratedOptimizer<O> {
     /// The wrapped optimizer, locked for inspection or changes.
     pub fn inner(&self) -> MutexGuard<'_, O> {
         self.inner.lock()
-    }
-
-    /// Whether the weights the model computes with are separate low-precision copies.
-    pub fn has_low_precision_copies(&self) -> bool {
-        self.copies.iter().any(|(c, _)| c.dtype() != DType::F32)
     }
 }
 

@@ -162,7 +162,7 @@ fn every_device_choice_becomes_the_accelerators_device() {
                 let b = Device::clone(acc.device());
                 #[allow(unused_variables)]
                 let c = ::core::result::Result::<_, ::ivme::Error>::Ok(Device::clone(acc.device()));
-                let d = VarBuilder::from_varmap(&vm, acc.param_dtype(DType::F32), acc.device());
+                let d = VarBuilder::clone(&acc.var_builder(&vm, DType::F32));
             }
         },
     );

@@ -12,11 +12,7 @@ fn train(
     let device = Device::clone(accelerator.device());
     let varmap = VarMap::new();
     let model = Mlp::new(
-        VarBuilder::from_varmap(
-            &varmap,
-            accelerator.param_dtype(DType::F32),
-            accelerator.device(),
-        ),
+        VarBuilder::clone(&accelerator.var_builder(&varmap, DType::F32)),
     )?;
     let mut opt = accelerator
         .prepare_optimizer(&varmap, AdamW::new(varmap.all_vars(), params))?;

@@ -9,11 +9,7 @@ fn train(batches: Vec<(Tensor, Tensor)>, epochs: usize) -> candle_core::Result<(
     let device = Device::clone(accelerator.device());
     let varmap = VarMap::new();
     let model = Mlp::new(
-        VarBuilder::from_varmap(
-            &varmap,
-            accelerator.param_dtype(DType::F32),
-            accelerator.device(),
-        ),
+        VarBuilder::clone(&accelerator.var_builder(&varmap, DType::F32)),
     )?;
     let mut opt = accelerator
         .prepare_optimizer(
