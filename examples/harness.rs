@@ -3,7 +3,7 @@
 //! rates) to `out/rank{R}.json` so a test can compare it with plain candle.
 //!
 //! Arguments are `key=value`: `opt=sgd|adamw steps=K batch=B n=N accum=A precision=no|fp16|bf16
-//! lr=F momentum=F clip_norm=F clip_value=F shuffle=0|1 sched=none|step|warmup dropout=P project=DIR save_at=K resume=1 break=rng|loader|scheduler|optimizer loss_scale=F init_scale=F inject_inf_at=I out=DIR`.
+//! lr=F momentum=F clip_norm=F clip_value=F sharding=no|optimizer|gradients shuffle=0|1 sched=none|step|warmup dropout=P project=DIR save_at=K resume=1 break=rng|loader|scheduler|optimizer loss_scale=F init_scale=F inject_inf_at=I out=DIR`.
 
 use candle_core::{DType, Module, Tensor};
 use candle_nn::{linear, Linear, Optimizer, VarBuilder, VarMap};
@@ -13,7 +13,7 @@ use ivme::optim::{AdamW, LrScheduler, ParamsAdamW, ParamsSgd, Sgd, StepLr, Warmu
 use ivme::optim::{Linked, StatefulOptimizer};
 use ivme::rng::Rng;
 use ivme::stateful::{Shared, StateDict, Stateful};
-use ivme::{Accelerator, Gradients, Precision};
+use ivme::{Accelerator, Gradients, Precision, Sharding};
 use std::collections::BTreeMap;
 
 /// The MLP every multi-process test trains: 4 → 8 (tanh, optional dropout) → 1.
@@ -116,9 +116,11 @@ impl Opt {
 fn main() -> ivme::Result<()> {
     let args = Args::parse();
     let precision: Precision = args.str("precision", "no").parse()?;
+    let sharding: Sharding = args.str("sharding", "no").parse()?;
     let mut builder = Accelerator::builder()
         .grad_accum(args.get("accum", 1))
         .precision(precision)
+        .sharding(sharding)
         .cpu(true);
     if let Some(v) = args.0.get("clip_norm").and_then(|v| v.parse().ok()) {
         builder = builder.clip_grad_norm(v);
@@ -268,11 +270,17 @@ fn main() -> ivme::Result<()> {
     let params: BTreeMap<String, Vec<f32>> = acc
         .named_master_vars()
         .into_iter()
-        .map(|(k, v)| Ok((k, v.as_tensor().flatten_all()?.to_vec1::<f32>()?)))
+        .map(|(k, v)| {
+            let t = v.as_tensor().to_dtype(DType::F32)?;
+            Ok((k, t.flatten_all()?.to_vec1::<f32>()?))
+        })
         .collect::<candle_core::Result<_>>()?;
     let compute_dtype = format!("{:?}", varmap.all_vars()[0].dtype());
+    let held = acc.held_bytes()?;
     let report = serde_json::json!({
         "rank": rank, "world": acc.num_processes(), "params": params, "micro": micro,
+        "held": { "weights": held.weights, "masters": held.masters,
+                  "gradients": held.gradients, "optimizer": held.optimizer },
         "compute_dtype": compute_dtype,
         "scale": acc.scaler().map(|s| s.scale),
     });
@@ -288,7 +296,8 @@ fn main() -> ivme::Result<()> {
 fn param_sum(acc: &Accelerator) -> ivme::Result<f64> {
     let mut s = 0f64;
     for (_, v) in acc.named_master_vars() {
-        s += v.as_tensor().abs()?.sum_all()?.to_scalar::<f32>()? as f64;
+        let t = v.as_tensor().to_dtype(DType::F32)?;
+        s += t.abs()?.sum_all()?.to_scalar::<f32>()? as f64;
     }
     Ok(s)
 }

@@ -2,7 +2,7 @@
 //! (over the `Vec` of batches, or `batches.iter().enumerate()`),
 //! by hand against the runtime, and (in the test) as plain candle.
 //!
-//! `macro_check mode=macro|macro_enumerate|hand accum=1|2 steps=K out=DIR` trains the harness's MLP on
+//! `macro_check mode=macro|macro_enumerate|macro_zero2|hand accum=1|2 steps=K out=DIR` trains the harness's MLP on
 //! consecutive batches of 4 samples and writes this rank's final weights to `DIR/rank{R}.json`.
 
 use candle_core::{DType, Device, Module, Tensor};
@@ -112,6 +112,32 @@ fn train_macro_accum(batches: Vec<(Tensor, Tensor)>, out: &str) -> candle_core::
     write(out, accelerator.process_index(), &weights(&varmap)?)
 }
 
+/// The accumulating loop again, with ZeRO stage 2: every process keeps its slice of the
+/// masters, optimizer state and gradients.
+#[ivme::accelerate(grad_accum = 2, zero = 2)]
+fn train_macro_zero2(batches: Vec<(Tensor, Tensor)>, out: &str) -> candle_core::Result<()> {
+    let device = Device::Cpu;
+    let varmap = VarMap::new();
+    let model = Mlp::new(VarBuilder::from_varmap(&varmap, DType::F32, &device))?;
+    init(&varmap, accelerator.process_index())?;
+    let params = ivme::optim::ParamsSgd {
+        lr: 0.1,
+        ..Default::default()
+    };
+    let mut opt = Sgd::new(varmap.all_vars(), params)?;
+    for (inputs, targets) in &batches {
+        let loss = candle_nn::loss::mse(&model.forward(&inputs)?, &targets)?;
+        opt.backward_step(&loss)?;
+    }
+    let rank = accelerator.process_index();
+    write(out, rank, &weights(&varmap)?)?;
+    // What this process holds, for the test to see the sharding took effect.
+    let held = accelerator.held_bytes()?;
+    let json = serde_json::json!({ "masters": held.masters, "optimizer": held.optimizer });
+    std::fs::write(format!("{out}/held{rank}.json"), json.to_string())?;
+    Ok(())
+}
+
 /// The most common batch loop in candle code: by reference, numbered.
 #[ivme::accelerate]
 fn train_macro_enumerate(batches: Vec<(Tensor, Tensor)>, out: &str) -> candle_core::Result<()> {
@@ -189,6 +215,7 @@ fn main() -> ivme::Result<()> {
     match (get("mode", "macro").as_str(), accum) {
         ("hand", _) => train_hand(data, accum, &out),
         ("macro_enumerate", _) => Ok(train_macro_enumerate(data, &out)?),
+        ("macro_zero2", _) => Ok(train_macro_zero2(data, &out)?),
         (_, 1) => Ok(train_macro(data, &out)?),
         _ => Ok(train_macro_accum(data, &out)?),
     }

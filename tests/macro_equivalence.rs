@@ -53,3 +53,43 @@ fn macro_hand_written_and_plain_candle_agree() {
         }
     }
 }
+
+#[test]
+fn the_attribute_with_zero_2_trains_like_plain_candle_on_2_and_3_processes() {
+    // 12 batches of 4; 2 micro-batches per step on every process.
+    let order: Vec<usize> = (0..48).collect();
+    for procs in [2usize, 3] {
+        let per_step = 4 * procs * 2;
+        let expected =
+            reference::train::<SGD>(48, &reference::chunks(&order, per_step, 48 / per_step), 0.1);
+        let out = common::scratch(&format!("macro-zero2-{procs}"));
+        let args = ["mode=macro_zero2", "accum=2", "steps=12"];
+        let reports = common::run_reports(procs, "macro_check", &args, &out);
+        assert_eq!(reports.len(), procs);
+        let mut masters = 0;
+        for (r, report) in reports.iter().enumerate() {
+            let d = reference::max_diff(&common::params(report), &expected);
+            assert!(
+                d <= 1e-6,
+                "{procs} procs: rank {r} is {d} from plain candle"
+            );
+            let held: serde_json::Value =
+                serde_json::from_slice(&std::fs::read(out.join(format!("held{r}.json"))).unwrap())
+                    .unwrap();
+            // Sgd without momentum keeps no state; each rank's f32 masters are its slice of
+            // the 49 parameters.
+            let m = held["masters"].as_u64().unwrap();
+            assert!(
+                m < 49 * 4,
+                "{procs} procs: rank {r} holds {m} bytes of masters"
+            );
+            masters += m;
+        }
+        assert_eq!(
+            masters,
+            49 * 4,
+            "{procs} procs: the slices cover the model once"
+        );
+        let _ = std::fs::remove_dir_all(&out);
+    }
+}

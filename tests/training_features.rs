@@ -128,50 +128,10 @@ fn step_lr_follows_real_optimizer_steps_only() {
     assert_eq!(micro(&one[0])[0]["lr"].as_f64(), Some(0.5));
 }
 
-/// PyTorch's clip_grad_norm_ on plain candle gradients, then one SGD step per batch.
-fn clipped_reference(
-    n: usize,
-    batches: &[Vec<usize>],
-    lr: f64,
-    max_norm: f64,
-) -> (BTreeMap<String, Vec<f32>>, Vec<f64>) {
-    let (varmap, m) = reference::model();
-    let (x, y) = reference::data(n);
-    let vars = varmap.all_vars();
-    let mut opt = SGD::new(vars.clone(), lr).unwrap();
-    let mut norms = Vec::new();
-    for b in batches {
-        let mut grads = reference::loss_on(&m, &x, &y, b).backward().unwrap();
-        let total: f64 = vars
-            .iter()
-            .map(|v| {
-                grads
-                    .get(v)
-                    .unwrap()
-                    .sqr()
-                    .unwrap()
-                    .sum_all()
-                    .unwrap()
-                    .to_scalar::<f32>()
-                    .unwrap() as f64
-            })
-            .sum::<f64>()
-            .sqrt();
-        norms.push(total);
-        let coef = (max_norm / (total + 1e-6)).min(1.0);
-        for v in &vars {
-            let g = grads.remove(v).unwrap();
-            grads.insert(v, (g * coef).unwrap());
-        }
-        opt.step(&grads).unwrap();
-    }
-    (reference::params(&varmap), norms)
-}
-
 #[test]
 fn clipping_by_norm_uses_the_global_norm_of_the_averaged_gradient() {
     let order: Vec<usize> = (0..48).collect();
-    let (expected, norms) = clipped_reference(48, &reference::chunks(&order, 8, 3), 0.1, 0.05);
+    let (expected, norms) = reference::clipped(48, &reference::chunks(&order, 8, 3), 0.1, 0.05);
     assert!(
         norms.iter().all(|n| *n > 0.05),
         "the reference must actually clip: {norms:?}"
@@ -230,38 +190,10 @@ fn clipping_by_value_clamps_the_synced_gradient() {
     assert!(reference::max_diff(&params(&reports[0]), &expected) <= 1e-6);
 }
 
-fn initial() -> BTreeMap<String, Vec<f32>> {
-    reference::params(&reference::model().0)
-}
-
-fn update(after: &BTreeMap<String, Vec<f32>>) -> Vec<f32> {
-    let init = initial();
-    after
-        .iter()
-        .flat_map(|(k, v)| {
-            v.iter()
-                .zip(&init[k])
-                .map(|(a, b)| a - b)
-                .collect::<Vec<_>>()
-        })
-        .collect()
-}
-
-fn rel_err(a: &[f32], b: &[f32]) -> f32 {
-    let num: f32 = a
-        .iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).powi(2))
-        .sum::<f32>()
-        .sqrt();
-    let den: f32 = b.iter().map(|y| y * y).sum::<f32>().sqrt();
-    num / den
-}
-
 #[test]
 fn low_precision_first_update_is_close_to_f32_and_computes_in_the_low_dtype() {
     let order: Vec<usize> = (0..16).collect();
-    let f32_update = update(&reference::train::<SGD>(
+    let f32_update = reference::update(&reference::train::<SGD>(
         16,
         std::slice::from_ref(&order),
         0.1,
@@ -287,7 +219,7 @@ fn low_precision_first_update_is_close_to_f32_and_computes_in_the_low_dtype() {
         );
         // The forward's output comes back to f32 at the autocast scope's edge.
         assert_eq!(micro(r)[0]["out_dtype"], "F32");
-        let e = rel_err(&update(&params(r)), &f32_update);
+        let e = reference::rel_err(&reference::update(&params(r)), &f32_update);
         assert!(e < tol, "{p}: first update is {e:.4} away from f32");
     }
 }
@@ -327,7 +259,7 @@ fn fp16_loss_scaling_keeps_tiny_gradients_alive() {
     let mut opt = SGD::new(varmap.all_vars(), 1e5).unwrap();
     let loss = (reference::loss_on(&m, &x, &y, &order) * 1e-7).unwrap();
     opt.backward_step(&loss).unwrap();
-    let expected = update(&reference::params(&varmap));
+    let expected = reference::update(&reference::params(&varmap));
     let reports = run(
         1,
         &[
@@ -341,9 +273,9 @@ fn fp16_loss_scaling_keeps_tiny_gradients_alive() {
         ],
         "tiny",
     );
-    let got = update(&params(&reports[0]));
+    let got = reference::update(&params(&reports[0]));
     assert!(got.iter().any(|v| *v != 0.0), "nothing trained");
-    let e = rel_err(&got, &expected);
+    let e = reference::rel_err(&got, &expected);
     assert!(e < 0.05, "update {e:.4} away from the f32 reference");
 }
 

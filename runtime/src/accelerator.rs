@@ -54,6 +54,8 @@ pub struct Accelerator {
     pub(crate) background: crate::checkpoint::background::BackgroundSaves,
     /// Stops a run whose forward pass is NaN in bf16/fp16 (model_dtype.rs).
     pub(crate) loss_guard: crate::model_dtype::LossGuard,
+    /// How much of the training state this process holds (shard.rs).
+    pub(crate) sharding: crate::config::Sharding,
     /// Exact f32 initial values of low-precision variables made by `var_builder`.
     pub(crate) exact_masters: crate::exact_init::ExactMasters,
 }
@@ -218,6 +220,7 @@ impl Accelerator {
         let mut names = Vec::with_capacity(named.len());
         let mut compute = Vec::with_capacity(named.len());
         let mut master = Vec::with_capacity(named.len());
+        let mut full = Vec::new();
         for (name, var) in named {
             let dt = var.dtype();
             if self.precision != Precision::No && dt == DType::F32 {
@@ -236,7 +239,14 @@ impl Accelerator {
                 None => var.as_tensor().to_dtype(DType::F32)?,
             };
             let value = self.comm.broadcast(&value, 0)?;
-            let m = if dt == low && dt != DType::F32 {
+            let m = if self.sharding != crate::Sharding::No {
+                // The masters are this rank's pieces (below); the model's weights stand in.
+                if self.state.world_size > 1 {
+                    var.set(&value.to_dtype(dt)?)?;
+                }
+                full.push(value);
+                var.clone()
+            } else if dt == low && dt != DType::F32 {
                 let m = Var::from_tensor(&value)?;
                 var.set(&value.to_dtype(dt)?)?;
                 m
@@ -251,12 +261,20 @@ impl Accelerator {
             master.push(m);
         }
         let sums = vec![None; names.len()];
+        let shard = if self.sharding == crate::Sharding::No {
+            None
+        } else {
+            let sizes: Vec<usize> = compute.iter().map(|v| v.elem_count()).collect();
+            let plan = crate::shard::Plan::new(&sizes, self.state.world_size, self.state.rank);
+            Some(crate::shard::Sharded::new(self.sharding, plan, &full)?)
+        };
         self.models.push(ParamSet {
             names,
             compute,
             master,
             sums,
             buffers: Default::default(),
+            shard,
         });
         Ok(())
     }
@@ -266,6 +284,9 @@ impl Accelerator {
         &mut self,
         mut opt: O,
     ) -> Result<AcceleratedOptimizer<O>> {
+        if self.sharding != crate::Sharding::No {
+            return self.wrap_sharded_optimizer(opt);
+        }
         let mut masters = Vec::with_capacity(opt.vars().len());
         let mut copies = Vec::new();
         for v in opt.vars() {
@@ -395,9 +416,17 @@ impl Accelerator {
         if !sync {
             return Ok(Gradients::accumulating());
         }
-        let mut out = GradStore::default();
         let inv_scale = 1.0 / scale;
         let position = self.grad_state.position();
+        if self.sharding != crate::Sharding::No {
+            let (store, overflow, norm) = self.step_sharded(&touched, position, inv_scale)?;
+            self.loss_guard.at_sync(self.precision, overflow)?;
+            if let Some(s) = &mut self.scaler {
+                s.update(overflow);
+            }
+            return Ok(Gradients::synced(store, overflow).with_norm(norm));
+        }
+        let mut out = GradStore::default();
         let mut overflow = false;
         // Only the models this loss reached end their window here: another model trained in
         // the same micro-step (a second loss, a GAN's other half) ends it at its own backward.
@@ -425,7 +454,7 @@ impl Accelerator {
     fn is_plain_fast_path(&self) -> bool {
         self.models
             .iter()
-            .all(|m| !m.has_copies() && m.sums.iter().all(Option::is_none))
+            .all(|m| !m.has_copies() && m.shard.is_none() && m.sums.iter().all(Option::is_none))
     }
 
     fn clip(&self, grads: &mut Gradients) -> Result<()> {
@@ -454,6 +483,7 @@ impl Accelerator {
         max_norm: f64,
         norm_type: f64,
     ) -> Result<Option<f64>> {
+        self.refuse_when_sharded("clip_grad_norm")?;
         let vars: Vec<Var> = self
             .models
             .iter()
@@ -464,6 +494,7 @@ impl Accelerator {
 
     /// Clamps synced gradients to `[-limit, limit]`.
     pub fn clip_grad_value(&self, grads: &mut Gradients, limit: f64) -> Result<()> {
+        self.refuse_when_sharded("clip_grad_value")?;
         let vars: Vec<Var> = self
             .models
             .iter()

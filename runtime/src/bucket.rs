@@ -102,6 +102,11 @@ pub(crate) struct SyncBuffers {
 }
 
 impl SyncBuffers {
+    /// The bytes its send and receive buffers hold.
+    pub(crate) fn bytes(&self) -> usize {
+        (self.send.capacity() + self.recv.capacity()) * std::mem::size_of::<f32>()
+    }
+
     /// Whether every gradient of the window can take the allocation-free path: on the CPU,
     /// f32, contiguous, and no two sharing memory (so that writing one cannot change another).
     pub fn fits(&mut self, sums: &[Option<Tensor>]) -> bool {

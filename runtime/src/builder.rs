@@ -20,6 +20,7 @@ use std::time::Duration;
 pub struct AcceleratorBuilder {
     grad_accum: Option<usize>,
     precision: Option<Precision>,
+    sharding: Option<crate::config::Sharding>,
     cpu: Option<bool>,
     clip_grad_norm: Option<f64>,
     clip_grad_value: Option<f64>,
@@ -103,6 +104,16 @@ impl AcceleratorBuilder {
         self.clip_grad_value = Some(v);
         self
     }
+    /// How much of the training state each process holds: [`Sharding::Optimizer`] (stage 1)
+    /// or [`Sharding::Gradients`] (stage 2) split the f32 masters and optimizer state (and the
+    /// synced gradients) across processes; see docs/sharding.md.
+    ///
+    /// [`Sharding::Optimizer`]: crate::Sharding::Optimizer
+    /// [`Sharding::Gradients`]: crate::Sharding::Gradients
+    pub fn sharding(mut self, s: crate::config::Sharding) -> Self {
+        self.sharding = Some(s);
+        self
+    }
     /// The seed for ivme's generators (shuffling and the like).
     pub fn seed(mut self, seed: u64) -> Self {
         self.seed = Some(seed);
@@ -121,6 +132,13 @@ impl AcceleratorBuilder {
         let (grad_accum, w) = resolve("grad_accum", self.grad_accum, "IVME_GRAD_ACCUM", 1usize)?;
         take(w);
         let (precision, w) = resolve("precision", self.precision, "IVME_PRECISION", Precision::No)?;
+        take(w);
+        let (sharding, w) = resolve(
+            "sharding",
+            self.sharding,
+            "IVME_SHARDING",
+            crate::config::Sharding::No,
+        )?;
         take(w);
         let (cpu, w) = resolve("cpu", self.cpu, "IVME_CPU", false).or_else(|_| {
             // Launchers write 0/1 for booleans.
@@ -243,6 +261,7 @@ impl AcceleratorBuilder {
             checkpoint_locks: Vec::new(),
             loop_cursor: Shared::new(Default::default()),
             loss_guard: Default::default(),
+            sharding: sharding.value,
             exact_masters: Shared::new(Default::default()),
             background: crate::checkpoint::background::BackgroundSaves::new(self.async_checkpoints),
             trackers: Shared::new(None),

@@ -63,6 +63,58 @@ impl FromStr for Precision {
     }
 }
 
+/// How much of the training state each process holds (ZeRO-style sharding; docs/sharding.md
+/// has the memory formula and when to pick each).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Sharding {
+    /// Every process holds everything (plain data parallelism).
+    #[default]
+    No,
+    /// Stage 1: each process holds the f32 master weights and optimizer state of its 1/N
+    /// slice of the parameters only; gradients are still averaged whole.
+    Optimizer,
+    /// Stage 2: as stage 1, and gradients are reduce-scattered, so each process keeps only
+    /// its slice of them after the sync.
+    Gradients,
+}
+
+impl Sharding {
+    /// The valid spellings, for error messages.
+    pub const VALID: &'static [&'static str] = &["no", "optimizer", "gradients", "0", "1", "2"];
+
+    /// The spelling used in configs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Sharding::No => "no",
+            Sharding::Optimizer => "optimizer",
+            Sharding::Gradients => "gradients",
+        }
+    }
+}
+
+impl fmt::Display for Sharding {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for Sharding {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "no" | "none" | "0" => Ok(Sharding::No),
+            "optimizer" | "1" | "zero1" => Ok(Sharding::Optimizer),
+            "gradients" | "2" | "zero2" => Ok(Sharding::Gradients),
+            _ => Err(Error::config(
+                "sharding",
+                s,
+                format!("use one of {}", Sharding::VALID.join(", ")),
+            )),
+        }
+    }
+}
+
 /// Where a resolved setting's value came from, strongest first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Source {

@@ -43,6 +43,12 @@ impl Gradients {
         }
     }
 
+    /// The same gradients with the global norm already computed (sharded clipping).
+    pub(crate) fn with_norm(mut self, norm: Option<f64>) -> Self {
+        self.norm = norm;
+        self
+    }
+
     /// Whether these gradients end a window, so the optimizer really steps.
     pub fn is_sync_step(&self) -> bool {
         self.sync
@@ -280,6 +286,8 @@ pub struct ParamSet {
     pub(crate) sums: Vec<Option<Tensor>>,
     /// The persistent buffers of the allocation-free sync.
     pub(crate) buffers: SyncBuffers,
+    /// This process's slice of the model under sharding (shard.rs).
+    pub(crate) shard: Option<crate::shard::Sharded>,
 }
 
 impl ParamSet {

@@ -54,6 +54,7 @@ pub mod progress;
 mod resume;
 pub mod rng;
 pub mod scaler;
+mod shard;
 pub mod state;
 pub mod stateful;
 pub mod tracking;
@@ -63,7 +64,7 @@ mod window;
 pub mod macro_support;
 
 pub use accelerator::{Accelerator, AcceleratorBuilder};
-pub use config::Precision;
+pub use config::{Precision, Sharding};
 pub use error::{Error, Result};
 pub use grads::Gradients;
 pub use ivme_macros::accelerate;

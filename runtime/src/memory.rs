@@ -1,6 +1,75 @@
-//! Finding a batch size that fits in device memory by halving it after out-of-memory errors.
+//! Memory: what the training state this process holds weighs, and finding a batch size that
+//! fits in device memory by halving it after out-of-memory errors.
 
-use crate::{Error, Result};
+use crate::{Accelerator, Error, Result};
+
+/// Bytes of training state this process holds, counted from the tensors ivme keeps
+/// ([`Accelerator::held_bytes`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct HeldBytes {
+    /// The weights the models compute with (low precision under bf16/fp16).
+    pub weights: usize,
+    /// f32 master weights kept apart from them (under bf16/fp16, or under sharding: this
+    /// process's slice).
+    pub masters: usize,
+    /// Gradients held between backward calls: the window's running sums and the persistent
+    /// sync buffers.
+    pub gradients: usize,
+    /// The prepared optimizers' state (moments, momentum buffers).
+    pub optimizer: usize,
+}
+
+impl HeldBytes {
+    /// The sum of all four.
+    pub fn total(&self) -> usize {
+        self.weights + self.masters + self.gradients + self.optimizer
+    }
+}
+
+fn bytes(t: &candle_core::Tensor) -> usize {
+    t.elem_count() * t.dtype().size_in_bytes()
+}
+
+impl Accelerator {
+    /// What the training state this process holds weighs, by kind; with sharding the masters
+    /// and optimizer state are this process's slice only (docs/sharding.md). Counting the
+    /// optimizer's state copies it once, so call this between steps, not in a hot loop.
+    pub fn held_bytes(&self) -> Result<HeldBytes> {
+        let mut held = HeldBytes::default();
+        for m in &self.models {
+            held.weights += m
+                .compute
+                .iter()
+                .map(|v| bytes(v.as_tensor()))
+                .sum::<usize>();
+            held.masters += match &m.shard {
+                Some(s) => s
+                    .masters
+                    .iter()
+                    .map(|v| bytes(v.as_tensor()))
+                    .sum::<usize>(),
+                None => m
+                    .compute
+                    .iter()
+                    .zip(&m.master)
+                    .filter(|(c, ms)| c.as_tensor().id() != ms.as_tensor().id())
+                    .map(|(_, ms)| bytes(ms.as_tensor()))
+                    .sum(),
+            };
+            held.gradients += m.sums.iter().flatten().map(bytes).sum::<usize>();
+            held.gradients += m.buffers.bytes();
+        }
+        for o in &self.optimizers {
+            held.optimizer += o
+                .state_dict()?
+                .tensors
+                .iter()
+                .map(|(_, t)| bytes(t))
+                .sum::<usize>();
+        }
+        Ok(held)
+    }
+}
 
 /// Runs `f(batch_size)` from `start`, halving the batch size after every out-of-memory error
 /// until `f` succeeds; returns its result.

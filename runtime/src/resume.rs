@@ -163,6 +163,7 @@ impl Accelerator {
     /// [`save_state_async`](Self::save_state_async): it returns the folder it *will* commit.
     /// Otherwise it first finishes a save still running in the background.
     pub fn save_state(&mut self, dir: Option<&Path>) -> Result<PathBuf> {
+        self.refuse_when_sharded("save_state")?;
         if self.background.by_default {
             return self.save_state_async(dir);
         }
@@ -339,6 +340,7 @@ impl Accelerator {
     /// check passed does anything change, and an object that still refuses its state has the
     /// ones loaded before it put back. On an error, the training state is as it was.
     pub fn load_state(&mut self, dir: Option<&Path>) -> Result<PathBuf> {
+        self.refuse_when_sharded("load_state")?;
         // A save still being written must land first: it may be the one asked for.
         self.wait_for_checkpoint()?;
         let dir = match (dir, self.project.clone()) {
@@ -419,6 +421,7 @@ impl Accelerator {
     /// # Ok(()) }
     /// ```
     pub fn load_state_if_any(&mut self) -> Result<Option<PathBuf>> {
+        self.refuse_when_sharded("load_state_if_any")?;
         self.wait_for_checkpoint()?;
         let Some(project) = self.project.clone() else {
             return Err(Error::Usage(
@@ -467,6 +470,10 @@ impl Accelerator {
         for m in &self.models {
             for (c, master) in m.compute.iter().zip(&m.master) {
                 crate::precision::refresh_copy(c, master)?;
+            }
+            // Sharded: the weights were loaded whole; this process's masters follow them.
+            if let Some(shard) = &m.shard {
+                shard.reslice(&m.compute)?;
             }
         }
         Ok(report)

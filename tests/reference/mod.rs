@@ -2,7 +2,7 @@
 //! initial weights, trained with candle-nn's own optimizers on whole global batches.
 
 use candle_core::{DType, Device, Module, Tensor};
-use candle_nn::{linear, Linear, Optimizer, VarBuilder, VarMap};
+use candle_nn::{linear, Linear, Optimizer, VarBuilder, VarMap, SGD};
 use std::collections::BTreeMap;
 
 pub struct Mlp {
@@ -113,4 +113,76 @@ pub fn max_diff(a: &BTreeMap<String, Vec<f32>>, b: &BTreeMap<String, Vec<f32>>) 
     a.iter()
         .flat_map(|(k, va)| va.iter().zip(&b[k]).map(|(x, y)| (x - y).abs()))
         .fold(0.0, f32::max)
+}
+
+#[allow(dead_code)]
+/// PyTorch's clip_grad_norm_ on plain candle gradients, then one SGD step per batch.
+pub fn clipped(
+    n: usize,
+    batches: &[Vec<usize>],
+    lr: f64,
+    max_norm: f64,
+) -> (BTreeMap<String, Vec<f32>>, Vec<f64>) {
+    let (varmap, m) = model();
+    let (x, y) = data(n);
+    let vars = varmap.all_vars();
+    let mut opt = SGD::new(vars.clone(), lr).unwrap();
+    let mut norms = Vec::new();
+    for b in batches {
+        let mut grads = loss_on(&m, &x, &y, b).backward().unwrap();
+        let total: f64 = vars
+            .iter()
+            .map(|v| {
+                grads
+                    .get(v)
+                    .unwrap()
+                    .sqr()
+                    .unwrap()
+                    .sum_all()
+                    .unwrap()
+                    .to_scalar::<f32>()
+                    .unwrap() as f64
+            })
+            .sum::<f64>()
+            .sqrt();
+        norms.push(total);
+        let coef = (max_norm / (total + 1e-6)).min(1.0);
+        for v in &vars {
+            let g = grads.remove(v).unwrap();
+            grads.insert(v, (g * coef).unwrap());
+        }
+        opt.step(&grads).unwrap();
+    }
+    (params(&varmap), norms)
+}
+
+#[allow(dead_code)]
+pub fn initial() -> BTreeMap<String, Vec<f32>> {
+    params(&model().0)
+}
+
+#[allow(dead_code)]
+pub fn update(after: &BTreeMap<String, Vec<f32>>) -> Vec<f32> {
+    let init = initial();
+    after
+        .iter()
+        .flat_map(|(k, v)| {
+            v.iter()
+                .zip(&init[k])
+                .map(|(a, b)| a - b)
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+#[allow(dead_code)]
+pub fn rel_err(a: &[f32], b: &[f32]) -> f32 {
+    let num: f32 = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).powi(2))
+        .sum::<f32>()
+        .sqrt();
+    let den: f32 = b.iter().map(|y| y * y).sum::<f32>().sqrt();
+    num / den
 }

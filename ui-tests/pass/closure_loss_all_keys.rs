@@ -16,7 +16,8 @@ use ivme::optim::{AdamW, ParamsAdamW};
     total_limit = 2,
     collective_timeout = 90.5,
     debug_sync = true,
-    async_checkpoints = true
+    async_checkpoints = true,
+    zero = 2
 )]
 fn train(batches: Vec<(Tensor, Tensor)>) -> Result<f32, Box<dyn std::error::Error>> {
     let device = Device::cuda_if_available(0)?;

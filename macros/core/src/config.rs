@@ -4,6 +4,7 @@
 use crate::errors::Errors;
 use crate::values::{
     boolean, grad_accum, positive_float, precision, project_dir, seconds, seed, total_limit,
+    zero_stage,
 };
 use proc_macro2::{Literal, Span, TokenStream};
 use quote::{quote, quote_spanned};
@@ -25,6 +26,7 @@ pub(crate) const KEYS: &[&str] = &[
     "collective_timeout",
     "debug_sync",
     "async_checkpoints",
+    "zero",
 ];
 
 /// Names users bring from other training libraries, mapped to ours.
@@ -32,6 +34,8 @@ const ALIASES: &[(&str, &str)] = &[
     ("gradient_accumulation_steps", "grad_accum"),
     ("mixed_precision", "precision"),
     ("max_grad_norm", "clip_grad_norm"),
+    ("zero_stage", "zero"),
+    ("sharding", "zero"),
 ];
 
 /// The precisions `precision = ".."` accepts.
@@ -58,6 +62,7 @@ pub(crate) struct Config {
     pub collective_timeout: Option<Setting<f64>>,
     pub debug_sync: Option<Setting<bool>>,
     pub async_checkpoints: Option<Setting<bool>>,
+    pub zero: Option<Setting<u8>>,
     /// The key names as written, for errors about the attribute as a whole.
     pub keys: Vec<syn::Path>,
 }
@@ -128,6 +133,17 @@ impl Config {
         if let Some(s) = &self.async_checkpoints {
             let v = syn::LitBool::new(s.value, s.span);
             calls.extend(quote_spanned!(s.span=> .async_checkpoints(#v)));
+        }
+        if let Some(s) = &self.zero {
+            let variant = syn::Ident::new(
+                match s.value {
+                    1 => "Optimizer",
+                    2 => "Gradients",
+                    _ => "No",
+                },
+                s.span,
+            );
+            calls.extend(quote_spanned!(s.span=> .sharding(::ivme::Sharding::#variant)));
         }
         calls
     }
@@ -215,6 +231,7 @@ pub(crate) fn parse(attr: TokenStream) -> Result<Config, syn::Error> {
             "async_checkpoints" => {
                 boolean(&key, value).map(|v| config.async_checkpoints = setting(v, span))
             }
+            "zero" => zero_stage(value).map(|v| config.zero = setting(v, span)),
             _ => seed(value).map(|v| config.seed = setting(v, span)),
         };
         if let Err(e) = result {
@@ -261,6 +278,7 @@ fn missing_value(path: &syn::Path) -> syn::Error {
         "collective_timeout" => "collective_timeout = 600",
         "debug_sync" => "debug_sync = true",
         "async_checkpoints" => "async_checkpoints = true",
+        "zero" => "zero = 2",
         _ => return unknown_key(path, &key),
     };
     syn::Error::new_spanned(path, format!("`{key}` needs a value, e.g. `{example}`"))
@@ -392,5 +410,26 @@ mod tests {
     fn aliases_from_other_libraries_point_to_our_key() {
         let errs = errors_of(quote!(gradient_accumulation_steps = 2));
         assert!(errs[0].contains("did you mean `grad_accum`"), "{errs:?}");
+    }
+
+    #[test]
+    fn zero_is_a_stage_that_becomes_the_sharding_builder_call() {
+        for (stage, variant) in [(0u8, "No"), (1, "Optimizer"), (2, "Gradients")] {
+            let lit = proc_macro2::Literal::u8_unsuffixed(stage);
+            let calls = parse(quote!(zero = #lit))
+                .unwrap()
+                .builder_calls()
+                .to_string();
+            assert!(
+                calls.ends_with(&format!(". sharding (:: ivme :: Sharding :: {variant})")),
+                "{calls}"
+            );
+        }
+        let errs = errors_of(quote!(zero = 3));
+        assert!(errs[0].contains("must be 0, 1 or 2"), "{errs:?}");
+        let errs = errors_of(quote!(zero = "2"));
+        assert!(errs[0].contains("e.g. `zero = 2`"), "{errs:?}");
+        let errs = errors_of(quote!(zero_stage = 2));
+        assert!(errs[0].contains("did you mean `zero`"), "{errs:?}");
     }
 }

@@ -153,6 +153,22 @@ pub(crate) fn project_dir(value: &Expr) -> syn::Result<String> {
     }
 }
 
+/// `zero = 0 | 1 | 2`: the ZeRO stage (0 none, 1 optimizer state, 2 also gradients).
+pub(crate) fn zero_stage(value: &Expr) -> syn::Result<u8> {
+    let msg = "`zero` is the ZeRO sharding stage: 0 (none), 1 (masters and optimizer state \
+               split across processes) or 2 (gradients too), e.g. `zero = 2`";
+    match literal(value) {
+        Some((Lit::Int(i), false)) => match i.base10_parse::<u8>() {
+            Ok(n) if n <= 2 => Ok(n),
+            _ => Err(syn::Error::new_spanned(
+                value,
+                "`zero` must be 0, 1 or 2 (stage 3, sharded weights, is not supported)",
+            )),
+        },
+        _ => Err(syn::Error::new_spanned(value, msg)),
+    }
+}
+
 pub(crate) fn total_limit(value: &Expr) -> syn::Result<usize> {
     match literal(value) {
         Some((Lit::Int(i), false)) => match i.base10_parse::<usize>() {

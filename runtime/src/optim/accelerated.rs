@@ -20,6 +20,8 @@ pub struct AcceleratedOptimizer<O> {
     // (low-precision copy the model computes with, f32 master the optimizer updates)
     copies: Vec<(Var, Var)>,
     skipped: bool,
+    // Under sharding the Accelerator's backward steps the optimizer (shard.rs).
+    stepped_in_backward: bool,
 }
 
 impl<O: StatefulOptimizer> AcceleratedOptimizer<O> {
@@ -30,6 +32,15 @@ impl<O: StatefulOptimizer> AcceleratedOptimizer<O> {
             link,
             copies,
             skipped: false,
+            stepped_in_backward: false,
+        }
+    }
+
+    /// The optimizer of a sharded model, which `backward` steps.
+    pub(crate) fn sharded(inner: Shared<O>) -> Self {
+        AcceleratedOptimizer {
+            stepped_in_backward: true,
+            ..Self::new(inner, Vec::new())
         }
     }
 
@@ -41,6 +52,10 @@ impl<O: StatefulOptimizer> AcceleratedOptimizer<O> {
         }
         if grads.found_overflow() {
             self.skipped = true;
+            return Ok(());
+        }
+        if self.stepped_in_backward {
+            self.skipped = false;
             return Ok(());
         }
         self.inner.lock().step(grads.store())?;

@@ -125,6 +125,25 @@ impl StatefulOptimizer for AdamW {
         Ok(())
     }
 
+    fn rebind_fresh(&mut self, vars: Vec<Var>) -> Result<()> {
+        if self.step_t != 0 {
+            return Err(crate::error::Error::Usage(
+                "AdamW: shard an optimizer before its first step (prepare it before training)"
+                    .into(),
+            ));
+        }
+        self.moments = vars
+            .iter()
+            .map(|v| {
+                let m = Var::zeros(v.shape(), DType::F32, v.device())?;
+                let s = Var::zeros(v.shape(), DType::F32, v.device())?;
+                Ok((m, s))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        self.vars = vars;
+        Ok(())
+    }
+
     fn state_dict(&self) -> Result<OptimizerState> {
         let tensors = self
             .moments

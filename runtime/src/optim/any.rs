@@ -92,6 +92,10 @@ impl StatefulOptimizer for AnyOptimizer {
         each!(self, o => o.replace_vars(vars))
     }
 
+    fn rebind_fresh(&mut self, vars: Vec<Var>) -> Result<()> {
+        each!(self, o => o.rebind_fresh(vars))
+    }
+
     fn state_dict(&self) -> Result<OptimizerState> {
         each!(self, o => o.state_dict())
     }

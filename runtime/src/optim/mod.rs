@@ -92,6 +92,17 @@ pub trait StatefulOptimizer: candle_nn::Optimizer + Linked + Send + 'static {
     /// Replaces each variable by one of the same shape (position for position): used to point
     /// the optimizer at f32 master weights. Existing state is kept.
     fn replace_vars(&mut self, vars: Vec<Var>) -> Result<()>;
+    /// Points an optimizer that has not stepped yet at another set of variables, any number
+    /// of them, with fresh state: under sharding, at this process's slices of its variables.
+    /// The default refuses, naming the optimizer.
+    fn rebind_fresh(&mut self, vars: Vec<Var>) -> Result<()> {
+        let _ = vars;
+        Err(crate::error::Error::Usage(format!(
+            "{} cannot be sharded: implement `StatefulOptimizer::rebind_fresh` for it, or use \
+             ivme's AdamW or Sgd",
+            std::any::type_name::<Self>()
+        )))
+    }
     /// The full state: moments, step count, hyper-parameters.
     fn state_dict(&self) -> Result<OptimizerState>;
     /// Restores a state produced by [`state_dict`](Self::state_dict) on the same variables.

@@ -163,6 +163,17 @@ impl StatefulOptimizer for Sgd {
         Ok(())
     }
 
+    fn rebind_fresh(&mut self, vars: Vec<Var>) -> Result<()> {
+        if self.step_t != 0 {
+            return Err(crate::error::Error::Usage(
+                "Sgd: shard an optimizer before its first step (prepare it before training)".into(),
+            ));
+        }
+        self.buffers = vec![None; vars.len()];
+        self.vars = vars;
+        Ok(())
+    }
+
     fn state_dict(&self) -> Result<OptimizerState> {
         let tensors = self
             .buffers

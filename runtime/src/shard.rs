@@ -1,0 +1,500 @@
+//! ZeRO-style sharding of the training state, stages 1 and 2.
+//!
+//! The parameters of a prepared model, in name order (the order of the gradient buckets), are
+//! one flat space of `N` elements, cut into one contiguous slice per process: process `r` owns
+//! elements `N·r/W .. N·(r+1)/W`. It keeps f32 master weights and optimizer state for its slice
+//! only, as *pieces* (the runs of each parameter inside the slice, a flat f32 variable each).
+//! At the end of an accumulation window the Accelerator's `backward`:
+//!
+//! 1. averages the gradients: whole, as in plain data parallelism (stage 1), or
+//!    reduce-scattered so each process receives only its slice's mean (stage 2);
+//! 2. agrees on the fp16 overflow flag and the global gradient norm with one small all-reduce
+//!    of this process's partial sums (only when clipping or fp16 needs them);
+//! 3. unless the step overflowed: clips, steps the prepared optimizer over the pieces, and
+//!    all-gathers the updated slices into every process's model weights.
+//!
+//! The step happens inside `backward` (as DeepSpeed's engine does under Accelerate), so the
+//! prepared optimizer's `step` is a no-op for a sharded model; the loop is unchanged.
+
+use crate::accelerator::Accelerator;
+use crate::comm::{Communicator, ReduceOp};
+use crate::config::Sharding;
+use crate::error::{Error, Result};
+use crate::grads::ParamSet;
+use crate::optim::accelerated::{AcceleratedOptimizer, OptimizerSlot};
+use crate::optim::StatefulOptimizer;
+use crate::stateful::Shared;
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Tensor, Var};
+
+/// A run of one parameter's elements inside this process's slice.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Piece {
+    /// The parameter's index in name order.
+    pub param: usize,
+    /// The run's first element within the parameter (flattened).
+    pub from: usize,
+    /// How many elements it has.
+    pub len: usize,
+}
+
+/// The flat parameter space cut into one slice per process, and this process's pieces.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Plan {
+    /// Elements of each parameter, in name order.
+    pub sizes: Vec<usize>,
+    /// Each parameter's first element in the flat space.
+    pub offsets: Vec<usize>,
+    /// Elements of each process's slice (they differ by at most one).
+    pub counts: Vec<usize>,
+    /// This process's first element.
+    pub start: usize,
+    /// This process's pieces, in flat order.
+    pub pieces: Vec<Piece>,
+}
+
+impl Plan {
+    /// Cuts parameters of `sizes` elements across `world` processes, seen from `rank`.
+    pub fn new(sizes: &[usize], world: usize, rank: usize) -> Plan {
+        let total: usize = sizes.iter().sum();
+        let bound = |r: usize| total * r / world;
+        let counts = (0..world).map(|r| bound(r + 1) - bound(r)).collect();
+        let (start, end) = (bound(rank), bound(rank + 1));
+        let mut offsets = Vec::with_capacity(sizes.len());
+        let mut pieces = Vec::new();
+        let mut at = 0;
+        for (param, &n) in sizes.iter().enumerate() {
+            offsets.push(at);
+            let (lo, hi) = (start.max(at), end.min(at + n));
+            if lo < hi {
+                pieces.push(Piece {
+                    param,
+                    from: lo - at,
+                    len: hi - lo,
+                });
+            }
+            at += n;
+        }
+        Plan {
+            sizes: sizes.to_vec(),
+            offsets,
+            counts,
+            start,
+            pieces,
+        }
+    }
+}
+
+/// Steps the prepared optimizer over a sharded model's pieces.
+pub(crate) type Stepper = Box<dyn FnMut(&GradStore) -> Result<()>>;
+
+/// The sharded part of a prepared model: its plan, this process's masters and the optimizer.
+pub(crate) struct Sharded {
+    pub stage: Sharding,
+    pub plan: Plan,
+    /// The f32 master of each piece, a flat variable of the piece's length.
+    pub masters: Vec<Var>,
+    /// The prepared optimizer over `masters`, once there is one.
+    pub stepper: Option<Stepper>,
+}
+
+impl std::fmt::Debug for Sharded {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sharded")
+            .field("stage", &self.stage)
+            .field("plan", &self.plan)
+            .field("stepper", &self.stepper.is_some())
+            .finish()
+    }
+}
+
+/// A flat f32 variable holding exactly `t`'s elements (no view into a larger storage).
+fn own_copy(t: &Tensor, device: &Device) -> Result<Var> {
+    let v: Vec<f32> = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+    let n = v.len();
+    Ok(Var::from_tensor(&Tensor::from_vec(v, n, device)?)?)
+}
+
+impl Sharded {
+    /// This process's slice of `full` (each parameter's whole f32 value), as new masters.
+    pub fn new(stage: Sharding, plan: Plan, full: &[Tensor]) -> Result<Sharded> {
+        let masters = plan
+            .pieces
+            .iter()
+            .map(|p| {
+                let t = &full[p.param];
+                own_copy(&t.flatten_all()?.narrow(0, p.from, p.len)?, t.device())
+            })
+            .collect::<Result<_>>()?;
+        Ok(Sharded {
+            stage,
+            plan,
+            masters,
+            stepper: None,
+        })
+    }
+
+    /// Takes the masters from the model's current weights again (after `load_model`).
+    pub fn reslice(&self, compute: &[Var]) -> Result<()> {
+        for (p, m) in self.plan.pieces.iter().zip(&self.masters) {
+            let t = compute[p.param].as_tensor().flatten_all()?;
+            m.set(&t.narrow(0, p.from, p.len)?.to_dtype(DType::F32)?)?;
+        }
+        Ok(())
+    }
+
+    /// Writes every process's updated slice into the model's weights.
+    fn gather_into(&self, comm: &dyn Communicator, compute: &[Var]) -> Result<()> {
+        let mut mine = Vec::with_capacity(self.plan.counts[comm.rank()] * 4);
+        for m in &self.masters {
+            for x in m.as_tensor().to_vec1::<f32>()? {
+                mine.extend_from_slice(&x.to_le_bytes());
+            }
+        }
+        let total: usize = self.plan.counts.iter().sum();
+        let mut whole = vec![0u8; total * 4];
+        comm.all_gather_into(&mine, &mut whole, &self.plan.counts, 4)?;
+        for (i, var) in compute.iter().enumerate() {
+            let at = self.plan.offsets[i] * 4;
+            let values: Vec<f32> = whole[at..at + self.plan.sizes[i] * 4]
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
+            let t = Tensor::from_vec(values, var.shape(), var.device())?;
+            var.set(&t.to_dtype(var.dtype())?)?;
+        }
+        Ok(())
+    }
+}
+
+/// What a sharded sync leaves for the step: the pieces' gradients and the partial sums the
+/// processes still have to agree on.
+struct Partial {
+    overflow: bool,
+    squares: f64,
+}
+
+impl ParamSet {
+    /// Ends the window for a sharded model: the mean gradient of each of this process's
+    /// pieces into `store` (keyed by the piece masters), and this process's share of the
+    /// overflow check and of the squared norm.
+    fn take_sharded(
+        &mut self,
+        comm: &dyn Communicator,
+        position: u64,
+        bucket_bytes: usize,
+        inv_scale: f64,
+        check_overflow: bool,
+        store: &mut GradStore,
+    ) -> Result<Partial> {
+        let stage = self.shard.as_ref().map(|s| s.stage);
+        let mut partial = Partial {
+            overflow: false,
+            squares: 0.0,
+        };
+        if stage == Some(Sharding::Optimizer) {
+            // Whole gradients, averaged as in plain data parallelism; then this rank's pieces.
+            let mut full = GradStore::default();
+            partial.overflow = self.take_synced(
+                comm,
+                position,
+                bucket_bytes,
+                inv_scale,
+                check_overflow,
+                &mut full,
+            )?;
+            let shard = self.shard.as_ref().expect("a sharded model");
+            for (p, m) in shard.plan.pieces.iter().zip(&shard.masters) {
+                if let Some(g) = full.get(self.master[p.param].as_tensor()) {
+                    let g = g.flatten_all()?.narrow(0, p.from, p.len)?;
+                    partial.squares += g.sqr()?.sum_all()?.to_scalar::<f32>()? as f64;
+                    store.insert(m.as_tensor(), g);
+                }
+            }
+            return Ok(partial);
+        }
+        // Stage 2: every rank sends its whole window sum and receives its slice's sum.
+        let world = comm.world_size();
+        let present: Vec<bool> = self.sums.iter().map(Option::is_some).collect();
+        let shard = self.shard.as_ref().expect("a sharded model");
+        let total: usize = shard.plan.sizes.iter().sum();
+        let mut send = Vec::with_capacity(total);
+        for (sum, &n) in self.sums.iter_mut().zip(&shard.plan.sizes) {
+            match sum.take() {
+                Some(g) => send.extend(g.flatten_all()?.to_vec1::<f32>()?),
+                None => send.resize(send.len() + n, 0.0),
+            }
+        }
+        let mut mine = vec![0f32; shard.plan.counts[comm.rank()]];
+        comm.reduce_scatter_sum_into(&send, &mut mine, &shard.plan.counts)?;
+        drop(send);
+        let factor = (inv_scale / world as f64) as f32;
+        let mut at = 0;
+        for (p, m) in shard.plan.pieces.iter().zip(&shard.masters) {
+            let run: Vec<f32> = mine[at..at + p.len].iter().map(|x| x * factor).collect();
+            at += p.len;
+            if !present[p.param] {
+                continue;
+            }
+            if check_overflow && run.iter().any(|x| !x.is_finite()) {
+                partial.overflow = true;
+            }
+            partial.squares += run.iter().map(|x| (*x as f64) * (*x as f64)).sum::<f64>();
+            store.insert(m.as_tensor(), Tensor::from_vec(run, p.len, m.device())?);
+        }
+        Ok(partial)
+    }
+}
+
+impl Accelerator {
+    /// The end of an accumulation window when the models are sharded (see the module docs):
+    /// returns the pieces' gradients, whether the step overflowed, and the global norm.
+    pub(crate) fn step_sharded(
+        &mut self,
+        touched: &[bool],
+        position: u64,
+        inv_scale: f64,
+    ) -> Result<(GradStore, bool, Option<f64>)> {
+        let mut store = GradStore::default();
+        let check = self.scaler.is_some();
+        let (mut overflow, mut squares) = (false, 0.0);
+        for (m, _) in self.models.iter_mut().zip(touched).filter(|(_, t)| **t) {
+            let p = m.take_sharded(
+                &self.comm,
+                position,
+                self.bucket_bytes,
+                inv_scale,
+                check,
+                &mut store,
+            )?;
+            overflow |= p.overflow;
+            squares += p.squares;
+        }
+        // One small collective for what the slices cannot know alone: the global norm, and
+        // (stage 2) whether any slice overflowed.
+        let stage2 = self.sharding == Sharding::Gradients;
+        let need_norm = self.clip_norm.is_some();
+        if self.state.world_size > 1 && (need_norm || (stage2 && check)) {
+            let local = Tensor::new(
+                &[squares as f32, if overflow { 1.0 } else { 0.0 }],
+                &Device::Cpu,
+            )?;
+            let agreed = self
+                .comm
+                .all_reduce(&local, ReduceOp::Sum)?
+                .to_vec1::<f32>()?;
+            squares = agreed[0] as f64;
+            overflow = agreed[1] > 0.0;
+        }
+        let norm = need_norm.then(|| squares.sqrt());
+        if overflow {
+            return Ok((store, true, norm));
+        }
+        if let (Some(max), Some(total)) = (self.clip_norm, norm) {
+            // The same coefficient as the unsharded clip: max / (norm + 1e-6), at most 1.
+            let coef = (max / (total + 1e-6)).min(1.0);
+            if coef < 1.0 {
+                scale_all(&mut store, &self.models, |g| g * coef)?;
+            }
+        }
+        if let Some(v) = self.clip_value {
+            scale_all(&mut store, &self.models, |g| g.clamp(-v, v))?;
+        }
+        for (m, _) in self.models.iter_mut().zip(touched).filter(|(_, t)| **t) {
+            let shard = m.shard.as_mut().expect("a sharded model");
+            let Some(step) = shard.stepper.as_mut() else {
+                return Err(Error::Prepare(
+                    "the model is sharded but has no prepared optimizer: prepare its optimizer \
+                     (accelerator.prepare((varmap, opt))) before the first optimizer step"
+                        .into(),
+                ));
+            };
+            step(&store)?;
+            shard.gather_into(&self.comm, &m.compute)?;
+        }
+        Ok((store, false, norm))
+    }
+}
+
+impl Accelerator {
+    /// Wraps the optimizer of a sharded model: it updates this process's pieces only, and
+    /// `backward` steps it (the returned optimizer's `step` only records the outcome).
+    pub(crate) fn wrap_sharded_optimizer<O: StatefulOptimizer>(
+        &mut self,
+        mut opt: O,
+    ) -> Result<AcceleratedOptimizer<O>> {
+        let ids: Vec<_> = opt.vars().iter().map(|v| v.as_tensor().id()).collect();
+        let Some(k) = self
+            .models
+            .iter()
+            .position(|m| m.compute.iter().any(|c| ids.contains(&c.as_tensor().id())))
+        else {
+            return Err(Error::Prepare(
+                "the optimizer updates a variable of no prepared model; prepare the VarMap \
+                 before (or together with, earlier in the tuple) its optimizer"
+                    .into(),
+            ));
+        };
+        let m = &mut self.models[k];
+        let whole = ids.len() == m.compute.len()
+            && m.compute.iter().all(|c| ids.contains(&c.as_tensor().id()));
+        if !whole {
+            return Err(Error::Prepare(
+                "under sharding an optimizer updates all of one prepared model's variables: \
+                 build it over `varmap.all_vars()` (one optimizer per model)"
+                    .into(),
+            ));
+        }
+        let shard = m.shard.as_mut().expect("a sharded model");
+        if shard.stepper.is_some() {
+            return Err(Error::Prepare(
+                "this sharded model already has a prepared optimizer; under sharding each \
+                 model has exactly one"
+                    .into(),
+            ));
+        }
+        opt.rebind_fresh(shard.masters.clone())?;
+        let names = shard
+            .plan
+            .pieces
+            .iter()
+            .map(|p| format!("{}[{}..{}]", m.names[p.param], p.from, p.from + p.len))
+            .collect();
+        let shared = Shared::new(opt);
+        let stepped = shared.clone();
+        shard.stepper = Some(Box::new(move |g: &GradStore| {
+            candle_nn::Optimizer::step(&mut *stepped.lock(), g)?;
+            Ok(())
+        }));
+        self.optimizers.push(Box::new(OptimizerSlot {
+            opt: shared.clone(),
+            names,
+        }));
+        Ok(AcceleratedOptimizer::sharded(shared))
+    }
+
+    /// Refuses a call that cannot work once the optimizer step happens inside `backward`.
+    pub(crate) fn refuse_when_sharded(&self, what: &str) -> Result<()> {
+        if self.sharding == Sharding::No {
+            return Ok(());
+        }
+        Err(Error::Usage(format!(
+            "`{what}` is not available with sharding = {}: the optimizer step happens inside \
+             `backward`, on this process's slice; {}",
+            self.sharding,
+            match what {
+                "clip_grad_norm" | "clip_grad_value" => {
+                    "set clipping on the builder (`.clip_grad_norm(x)`, `.clip_grad_value(x)`) \
+                     or the attribute (`clip_grad_norm = x`) instead"
+                }
+                _ => "train with sharding \"no\" where you need it (docs/sharding.md)",
+            }
+        )))
+    }
+}
+
+/// Replaces every piece gradient in `store` by `f(gradient)`.
+fn scale_all(
+    store: &mut GradStore,
+    models: &[ParamSet],
+    f: impl Fn(Tensor) -> candle_core::Result<Tensor>,
+) -> Result<()> {
+    for m in models {
+        for v in m.shard.iter().flat_map(|s| &s.masters) {
+            if let Some(g) = store.remove(v.as_tensor()) {
+                store.insert(v.as_tensor(), f(g)?);
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_flat_space_is_cut_into_contiguous_slices_that_cover_it_once() {
+        let sizes = [6, 1, 4]; // 11 elements over 3 ranks: 3, 4, 4
+        let plans: Vec<Plan> = (0..3).map(|r| Plan::new(&sizes, 3, r)).collect();
+        assert_eq!(plans[0].counts, vec![3, 4, 4]);
+        assert_eq!(
+            plans[1].pieces,
+            vec![
+                Piece {
+                    param: 0,
+                    from: 3,
+                    len: 3
+                },
+                Piece {
+                    param: 1,
+                    from: 0,
+                    len: 1
+                }
+            ]
+        );
+        assert_eq!(
+            plans[2].pieces,
+            vec![Piece {
+                param: 2,
+                from: 0,
+                len: 4
+            }]
+        );
+        let mut seen = vec![0; 11];
+        for plan in &plans {
+            for p in &plan.pieces {
+                for e in 0..p.len {
+                    seen[plan.offsets[p.param] + p.from + e] += 1;
+                }
+            }
+        }
+        assert!(seen.iter().all(|&n| n == 1), "{seen:?}");
+        // More processes than elements: some slices are empty.
+        assert!(Plan::new(&[1], 2, 0).pieces.is_empty());
+        assert_eq!(Plan::new(&[1], 2, 1).pieces.len(), 1);
+    }
+
+    /// One process: sharding is the identity, and training matches the unsharded run bit for
+    /// bit (f32, AdamW with clipping and accumulation); saving the state is refused plainly.
+    #[test]
+    fn a_single_process_trains_sharded_exactly_as_unsharded() {
+        use crate::optim::{AdamW, ParamsAdamW};
+        use crate::Accelerator;
+        use candle_nn::{Init, Optimizer, VarMap};
+        let run = |sharding: Sharding| -> Vec<f32> {
+            let mut acc = Accelerator::builder()
+                .cpu(true)
+                .grad_accum(2)
+                .clip_grad_norm(0.5)
+                .sharding(sharding)
+                .build()
+                .unwrap();
+            let varmap = VarMap::new();
+            let vb = acc.var_builder(&varmap, DType::F32);
+            let w = vb.get_with_hints((4, 3), "w", Init::Const(0.3)).unwrap();
+            let opt = AdamW::new(varmap.all_vars(), ParamsAdamW::default()).unwrap();
+            let (_vm, mut opt) = acc.prepare((varmap.clone(), opt)).unwrap();
+            for i in 0..6 {
+                let x = Tensor::new(&[1.0f32, -2.0, 0.5 * i as f32], &Device::Cpu).unwrap();
+                let loss = w.matmul(&x.unsqueeze(1).unwrap()).unwrap().sqr().unwrap();
+                let grads = acc.backward(&loss.sum_all().unwrap()).unwrap();
+                opt.step(&grads).unwrap();
+            }
+            if sharding != Sharding::No {
+                let e = acc
+                    .save_state(Some(std::path::Path::new("/nonexistent")))
+                    .unwrap_err();
+                assert!(
+                    e.to_string().contains("`save_state` is not available"),
+                    "{e}"
+                );
+            }
+            let w = varmap.data().lock().unwrap()["w"].clone();
+            w.as_tensor().flatten_all().unwrap().to_vec1().unwrap()
+        };
+        let plain = run(Sharding::No);
+        assert_eq!(run(Sharding::Optimizer), plain);
+        assert_eq!(run(Sharding::Gradients), plain);
+    }
+}
