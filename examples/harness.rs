@@ -116,12 +116,14 @@ impl Opt {
 fn main() -> ivme::Result<()> {
     let args = Args::parse();
     let precision: Precision = args.str("precision", "no").parse()?;
-    let sharding: Sharding = args.str("sharding", "no").parse()?;
     let mut builder = Accelerator::builder()
         .grad_accum(args.get("accum", 1))
         .precision(precision)
-        .sharding(sharding)
         .cpu(true);
+    // Left to the launcher's environment (IVME_SHARDING) unless given.
+    if let Some(s) = args.0.get("sharding") {
+        builder = builder.sharding(s.parse::<Sharding>()?);
+    }
     if let Some(v) = args.0.get("clip_norm").and_then(|v| v.parse().ok()) {
         builder = builder.clip_grad_norm(v);
     }

@@ -197,3 +197,37 @@ fn each_rank_holds_only_its_slice_of_the_masters_and_optimizer_state() {
         }
     }
 }
+
+#[test]
+fn the_launchers_environment_sets_the_stage_for_a_program_that_does_not() {
+    // `ivme launch --sharding 2` passes IVME_SHARDING=gradients to every rank; so does the
+    // variable set by hand. The harness leaves the stage to it.
+    let out = common::Scratch::new("zero-env");
+    let o = common::launch(
+        2,
+        &common::example_bin("harness"),
+        &[
+            "opt=adamw",
+            "steps=2",
+            "n=16",
+            &format!("out={}", out.0.display()),
+        ],
+        &[("IVME_SHARDING", "gradients")],
+    );
+    common::ok(&o);
+    let masters: u64 = (0..2)
+        .map(|r| {
+            let report: Value = serde_json::from_slice(
+                &std::fs::read(out.0.join(format!("rank{r}.json"))).unwrap(),
+            )
+            .unwrap();
+            let m = report["held"]["masters"].as_u64().unwrap();
+            assert!(
+                m < 49 * 4,
+                "rank {r} holds {m} bytes of masters: not sharded"
+            );
+            m
+        })
+        .sum();
+    assert_eq!(masters, 49 * 4);
+}

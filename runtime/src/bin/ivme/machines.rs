@@ -130,6 +130,7 @@ pub fn describe_settings(plan: &LaunchPlan) -> String {
             "num_processes" => plan.num_processes.to_string(),
             "cpu" => plan.cpu.to_string(),
             "mixed_precision" => plan.precision.unwrap_or_default().to_string(),
+            "sharding" => plan.sharding.unwrap_or_default().to_string(),
             "gradient_accumulation_steps" => plan.grad_accum.unwrap_or(1).to_string(),
             "num_machines" => plan.num_machines.to_string(),
             "machine_rank" => plan.machine_rank.to_string(),

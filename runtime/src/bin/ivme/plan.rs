@@ -15,7 +15,7 @@ use crate::process;
 use crate::rank;
 use crate::sources::{self, Origin};
 use crate::tuning;
-use ivme::{Error, Precision, Result};
+use ivme::{Error, Precision, Result, Sharding};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -70,6 +70,12 @@ pub const FLAGS: &[Flag] = &[
         kind: Kind::Value("no|fp16|bf16"),
         help: "compute precision, passed as IVME_PRECISION",
         example: "bf16",
+    },
+    Flag {
+        name: "sharding",
+        kind: Kind::Value("no|optimizer|gradients"),
+        help: "ZeRO sharding stage (or 0|1|2), passed as IVME_SHARDING",
+        example: "gradients",
     },
     GRAD_ACCUM,
     NUM_MACHINES,
@@ -136,6 +142,8 @@ pub struct LaunchArgs {
     pub hostfile: Option<PathBuf>,
     /// `--mixed_precision`.
     pub mixed_precision: Option<Precision>,
+    /// `--sharding`.
+    pub sharding: Option<Sharding>,
     /// `--gradient_accumulation_steps`.
     pub gradient_accumulation_steps: Option<usize>,
     /// `--num_machines`.
@@ -189,6 +197,15 @@ impl LaunchArgs {
                 ))
             })?),
         };
+        let sharding = match s.value("sharding") {
+            None => None,
+            Some(raw) => Some(raw.parse::<Sharding>().map_err(|_| {
+                Error::Usage(format!(
+                    "`--sharding {raw}` is not a sharding stage; use one of {}",
+                    Sharding::VALID.join(", ")
+                ))
+            })?),
+        };
         let machine_rank = match s.value("machine_rank") {
             None => None,
             Some(raw) => Some(raw.trim().parse::<usize>().map_err(|_| {
@@ -209,6 +226,7 @@ impl LaunchArgs {
             cpu: args::switch(&s, "cpu")?,
             hostfile: s.value("hostfile").map(PathBuf::from),
             mixed_precision,
+            sharding,
             gradient_accumulation_steps: args::positive(&s, &GRAD_ACCUM)?,
             num_machines: args::positive(&s, &NUM_MACHINES)?,
             machine_rank,
@@ -247,6 +265,8 @@ pub struct LaunchPlan {
     pub origins: Vec<Origin>,
     /// The compute precision, when given.
     pub precision: Option<Precision>,
+    /// The ZeRO sharding stage, when given.
+    pub sharding: Option<Sharding>,
     /// Micro-batches per optimizer step, when given.
     pub grad_accum: Option<usize>,
     /// How many times a failed job is started again.
@@ -285,6 +305,7 @@ impl LaunchPlan {
             main_process_port: args.main_process_port,
             origins: Vec::new(),
             precision: args.mixed_precision,
+            sharding: args.sharding,
             grad_accum: args.gradient_accumulation_steps,
             max_restarts: args.max_restarts.unwrap_or(0),
             collective_timeout: args.collective_timeout,
@@ -349,6 +370,9 @@ impl LaunchPlan {
         }
         if let Some(k) = self.grad_accum {
             ours.push(("IVME_GRAD_ACCUM".into(), k.to_string()));
+        }
+        if let Some(s) = self.sharding {
+            ours.push(("IVME_SHARDING".into(), s.as_str().into()));
         }
         if self.num_machines > 1 {
             ours.push(("IVME_NUM_MACHINES".into(), self.num_machines.to_string()));

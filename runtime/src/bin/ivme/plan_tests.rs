@@ -180,7 +180,24 @@ fn environment_carries_the_settings_given() {
     assert_eq!(get(&env, "IVME_GRAD_ACCUM"), Some("4"));
     assert_eq!(get(&env, "IVME_CPU"), None);
     assert_eq!(get(&env, "IVME_PRECISION"), None);
+    assert_eq!(get(&env, "IVME_SHARDING"), None);
     assert_eq!(get(&env, "RAYON_NUM_THREADS"), Some("8"));
+}
+
+#[test]
+fn the_sharding_stage_reaches_the_ranks_and_bad_stages_are_refused() {
+    for (word, passed) in [("2", "gradients"), ("optimizer", "optimizer"), ("no", "no")] {
+        let p = plan(&["--sharding", word, "sh"]);
+        let env = p.env(&TWO_CORES_ROOT, 0, &[]);
+        assert_eq!(get(&env, "IVME_SHARDING"), Some(passed));
+    }
+    let m = LaunchArgs::parse(&words(&["--sharding", "3", "prog"]))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        m.contains("`--sharding 3` is not a sharding stage") && m.contains("gradients"),
+        "{m}"
+    );
 }
 
 #[test]

@@ -7,7 +7,7 @@
 //! launcher's defaults.
 
 use crate::args;
-use ivme::{Error, Precision, Result};
+use ivme::{Error, Precision, Result, Sharding};
 use std::path::{Path, PathBuf};
 
 /// The one config format this ivme reads and writes.
@@ -25,6 +25,7 @@ pub const KEYS: &[&str] = &[
     "num_processes",
     "cpu",
     "mixed_precision",
+    "sharding",
     "gradient_accumulation_steps",
     "backend",
     "num_machines",
@@ -45,6 +46,8 @@ pub struct Config {
     pub cpu: Option<bool>,
     /// Compute precision.
     pub mixed_precision: Option<Precision>,
+    /// ZeRO sharding stage.
+    pub sharding: Option<Sharding>,
     /// Micro-batches per optimizer step.
     pub gradient_accumulation_steps: Option<usize>,
     /// How the ranks talk (one of [`BACKENDS`]).
@@ -267,6 +270,10 @@ impl Config {
                     let s = word(k, v, path, Some(Precision::VALID))?;
                     c.mixed_precision = Some(s.parse()?);
                 }
+                "sharding" => {
+                    let s = word(k, v, path, Some(Sharding::VALID))?;
+                    c.sharding = Some(s.parse()?);
+                }
                 "backend" => c.backend = Some(word(k, v, path, Some(BACKENDS))?.to_string()),
                 "main_process_ip" => c.main_process_ip = Some(word(k, v, path, None)?.to_string()),
                 "hosts" => {
@@ -328,6 +335,11 @@ impl Config {
             "Compute precision: no, fp16 or bf16.",
             self.mixed_precision
                 .map(|p| format!("mixed_precision = {}", q(p.as_str()))),
+        );
+        put(
+            "ZeRO sharding: no, optimizer (stage 1) or gradients (stage 2); docs/sharding.md.",
+            self.sharding
+                .map(|s| format!("sharding = {}", q(s.as_str()))),
         );
         put(
             "Micro-batches per optimizer step.",

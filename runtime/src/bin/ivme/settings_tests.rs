@@ -16,6 +16,7 @@ fn a_written_config_reads_back_the_same() {
         num_processes: Some(4),
         cpu: Some(false),
         mixed_precision: Some(Precision::Fp16),
+        sharding: Some(ivme::Sharding::Gradients),
         gradient_accumulation_steps: Some(2),
         backend: Some("mpi".into()),
         num_machines: Some(2),

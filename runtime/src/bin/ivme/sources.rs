@@ -4,7 +4,7 @@
 
 use crate::plan::LaunchArgs;
 use crate::settings::Config;
-use ivme::{Error, Precision, Result};
+use ivme::{Error, Precision, Result, Sharding};
 use std::path::{Path, PathBuf};
 
 /// The place one setting's value came from.
@@ -61,7 +61,7 @@ macro_rules! show_display {
         }
     )+};
 }
-show_display!(usize, u16, bool, Precision, String);
+show_display!(usize, u16, bool, Precision, Sharding, String);
 
 impl Show for PathBuf {
     fn show(&self) -> String {
@@ -148,6 +148,12 @@ pub fn merge(
         |s| s.parse::<Precision>().ok(),
         &format!("one of {}", Precision::VALID.join(", ")),
     )?;
+    let sharding_env = env_value(
+        inherited,
+        "IVME_SHARDING",
+        |s| s.parse::<Sharding>().ok(),
+        &format!("one of {}", Sharding::VALID.join(", ")),
+    )?;
     let accum_env = env_value(
         inherited,
         "IVME_GRAD_ACCUM",
@@ -203,6 +209,13 @@ pub fn merge(
             flags.mixed_precision,
             precision_env,
             (path, c.mixed_precision),
+        ),
+        sharding: pick(
+            &mut o,
+            "sharding",
+            flags.sharding,
+            sharding_env,
+            (path, c.sharding),
         ),
         gradient_accumulation_steps: pick(
             &mut o,
