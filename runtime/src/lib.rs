@@ -51,6 +51,7 @@ pub mod optim;
 mod precision;
 pub mod prepare;
 pub mod progress;
+mod register;
 mod resume;
 pub mod rng;
 pub mod scaler;

@@ -21,9 +21,6 @@ use crate::comm::{Communicator, ReduceOp};
 use crate::config::Sharding;
 use crate::error::{Error, Result};
 use crate::grads::ParamSet;
-use crate::optim::accelerated::{AcceleratedOptimizer, OptimizerSlot};
-use crate::optim::StatefulOptimizer;
-use crate::stateful::Shared;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 
@@ -177,7 +174,8 @@ struct Partial {
 impl ParamSet {
     /// Ends the window for a sharded model: the mean gradient of each of this process's
     /// pieces into `store` (keyed by the piece masters), and this process's share of the
-    /// overflow check and of the squared norm.
+    /// overflow check and (with `want_norm`, for clipping) of the squared norm.
+    #[allow(clippy::too_many_arguments)]
     fn take_sharded(
         &mut self,
         comm: &dyn Communicator,
@@ -185,6 +183,7 @@ impl ParamSet {
         bucket_bytes: usize,
         inv_scale: f64,
         check_overflow: bool,
+        want_norm: bool,
         store: &mut GradStore,
     ) -> Result<Partial> {
         let stage = self.shard.as_ref().map(|s| s.stage);
@@ -207,7 +206,9 @@ impl ParamSet {
             for (p, m) in shard.plan.pieces.iter().zip(&shard.masters) {
                 if let Some(g) = full.get(self.master[p.param].as_tensor()) {
                     let g = g.flatten_all()?.narrow(0, p.from, p.len)?;
-                    partial.squares += g.sqr()?.sum_all()?.to_scalar::<f32>()? as f64;
+                    if want_norm {
+                        partial.squares += g.sqr()?.sum_all()?.to_scalar::<f32>()? as f64;
+                    }
                     store.insert(m.as_tensor(), g);
                 }
             }
@@ -239,7 +240,9 @@ impl ParamSet {
             if check_overflow && run.iter().any(|x| !x.is_finite()) {
                 partial.overflow = true;
             }
-            partial.squares += run.iter().map(|x| (*x as f64) * (*x as f64)).sum::<f64>();
+            if want_norm {
+                partial.squares += run.iter().map(|x| (*x as f64) * (*x as f64)).sum::<f64>();
+            }
             store.insert(m.as_tensor(), Tensor::from_vec(run, p.len, m.device())?);
         }
         Ok(partial)
@@ -257,6 +260,7 @@ impl Accelerator {
     ) -> Result<(GradStore, bool, Option<f64>)> {
         let mut store = GradStore::default();
         let check = self.scaler.is_some();
+        let need_norm = self.clip_norm.is_some();
         let (mut overflow, mut squares) = (false, 0.0);
         for (m, _) in self.models.iter_mut().zip(touched).filter(|(_, t)| **t) {
             let p = m.take_sharded(
@@ -265,6 +269,7 @@ impl Accelerator {
                 self.bucket_bytes,
                 inv_scale,
                 check,
+                need_norm,
                 &mut store,
             )?;
             overflow |= p.overflow;
@@ -273,7 +278,6 @@ impl Accelerator {
         // One small collective for what the slices cannot know alone: the global norm, and
         // (stage 2) whether any slice overflowed.
         let stage2 = self.sharding == Sharding::Gradients;
-        let need_norm = self.clip_norm.is_some();
         if self.state.world_size > 1 && (need_norm || (stage2 && check)) {
             let local = Tensor::new(
                 &[squares as f32, if overflow { 1.0 } else { 0.0 }],
@@ -317,62 +321,6 @@ impl Accelerator {
 }
 
 impl Accelerator {
-    /// Wraps the optimizer of a sharded model: it updates this process's pieces only, and
-    /// `backward` steps it (the returned optimizer's `step` only records the outcome).
-    pub(crate) fn wrap_sharded_optimizer<O: StatefulOptimizer>(
-        &mut self,
-        mut opt: O,
-    ) -> Result<AcceleratedOptimizer<O>> {
-        let ids: Vec<_> = opt.vars().iter().map(|v| v.as_tensor().id()).collect();
-        let Some(k) = self
-            .models
-            .iter()
-            .position(|m| m.compute.iter().any(|c| ids.contains(&c.as_tensor().id())))
-        else {
-            return Err(Error::Prepare(
-                "the optimizer updates a variable of no prepared model; prepare the VarMap \
-                 before (or together with, earlier in the tuple) its optimizer"
-                    .into(),
-            ));
-        };
-        let m = &mut self.models[k];
-        let whole = ids.len() == m.compute.len()
-            && m.compute.iter().all(|c| ids.contains(&c.as_tensor().id()));
-        if !whole {
-            return Err(Error::Prepare(
-                "under sharding an optimizer updates all of one prepared model's variables: \
-                 build it over `varmap.all_vars()` (one optimizer per model)"
-                    .into(),
-            ));
-        }
-        let shard = m.shard.as_mut().expect("a sharded model");
-        if shard.stepper.is_some() {
-            return Err(Error::Prepare(
-                "this sharded model already has a prepared optimizer; under sharding each \
-                 model has exactly one"
-                    .into(),
-            ));
-        }
-        opt.rebind_fresh(shard.masters.clone())?;
-        let names = shard
-            .plan
-            .pieces
-            .iter()
-            .map(|p| format!("{}[{}..{}]", m.names[p.param], p.from, p.from + p.len))
-            .collect();
-        let shared = Shared::new(opt);
-        let stepped = shared.clone();
-        shard.stepper = Some(Box::new(move |g: &GradStore| {
-            candle_nn::Optimizer::step(&mut *stepped.lock(), g)?;
-            Ok(())
-        }));
-        self.optimizers.push(Box::new(OptimizerSlot {
-            opt: shared.clone(),
-            names,
-        }));
-        Ok(AcceleratedOptimizer::sharded(shared))
-    }
-
     /// Refuses a call that cannot work once the optimizer step happens inside `backward`.
     pub(crate) fn refuse_when_sharded(&self, what: &str) -> Result<()> {
         if self.sharding == Sharding::No {

@@ -11,6 +11,7 @@ pub mod any;
 pub mod schedule;
 mod scheduler;
 pub mod sgd;
+mod state_io;
 
 pub use accelerated::AcceleratedOptimizer;
 pub use adamw::AdamW;

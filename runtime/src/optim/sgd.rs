@@ -1,7 +1,7 @@
 //! Stochastic gradient descent with momentum, dampening, Nesterov and weight decay, with
 //! state that can be saved, restored and re-bound to f32 master weights.
 
-use super::adamw::{check_count, check_replacement, find_tensor, read_f64, read_u64, to_f32};
+use super::state_io::{check_count, check_replacement, find_tensor, read_f64, read_u64, to_f32};
 use super::{Linked, OptimizerLink, OptimizerState, StatefulOptimizer};
 use crate::error::{Error, Result};
 use candle_core::backprop::GradStore;

@@ -1,0 +1,223 @@
+//! Registering a model and its optimizer with the Accelerator: every rank starts from rank 0's
+//! weights; the f32 masters are made (exact ones from `var_builder`, or this rank's slice under
+//! sharding); an optimizer is pointed at the masters and wrapped.
+
+use crate::accelerator::Accelerator;
+use crate::comm::Communicator;
+use crate::config::Precision;
+use crate::error::{Error, Result};
+use crate::grads::ParamSet;
+use crate::optim::accelerated::OptimizerSlot;
+use crate::optim::{AcceleratedOptimizer, StatefulOptimizer};
+use crate::stateful::Shared;
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Var};
+use candle_nn::VarMap;
+
+impl Accelerator {
+    pub(crate) fn find_model(&self, varmap: &VarMap) -> Option<usize> {
+        let first = varmap.all_vars().into_iter().next()?;
+        self.models.iter().position(|m| {
+            m.compute
+                .iter()
+                .any(|v| v.as_tensor().id() == first.as_tensor().id())
+        })
+    }
+
+    /// Makes every rank start from rank 0's weights and sets up f32 masters.
+    pub(crate) fn register_model(&mut self, varmap: &VarMap) -> Result<()> {
+        if self.find_model(varmap).is_some() {
+            return Err(Error::Prepare(
+                "this VarMap was already prepared; prepare each model once".into(),
+            ));
+        }
+        let mut named: Vec<(String, Var)> = varmap
+            .data()
+            .lock()
+            .map_err(|_| {
+                Error::Prepare("the VarMap's lock is poisoned by an earlier panic".into())
+            })?
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        if named.is_empty() {
+            return Err(Error::Prepare(
+                "the VarMap has no variables yet: build the model from it before preparing".into(),
+            ));
+        }
+        named.sort_by(|a, b| a.0.cmp(&b.0));
+        let low = self.precision.compute_dtype();
+        let mut names = Vec::with_capacity(named.len());
+        let mut compute = Vec::with_capacity(named.len());
+        let mut master = Vec::with_capacity(named.len());
+        let mut full = Vec::new();
+        for (name, var) in named {
+            let dt = var.dtype();
+            if self.precision != Precision::No && dt == DType::F32 {
+                return Err(Error::Precision(format!(
+                    "precision is {} but variable `{name}` is f32, so the model would silently \
+                     train in f32; create it with `accelerator.var_builder(&varmap, \
+                     DType::F32)` (exact f32 masters) or `VarBuilder::from_varmap(&varmap, \
+                     accelerator.param_dtype(DType::F32), accelerator.device())`",
+                    self.precision
+                )));
+            }
+            // Broadcast in f32: exact for f16/bf16 values, and MPI has no half types. A variable
+            // `var_builder` made starts its master from its exact f32 initialisation.
+            let value = match self.take_exact_master(&var)? {
+                Some(exact) => exact,
+                None => var.as_tensor().to_dtype(DType::F32)?,
+            };
+            let value = self.comm.broadcast(&value, 0)?;
+            let m = if self.sharding != crate::Sharding::No {
+                // The masters are this rank's pieces (below); the model's weights stand in.
+                if self.state.world_size > 1 {
+                    var.set(&value.to_dtype(dt)?)?;
+                }
+                full.push(value);
+                var.clone()
+            } else if dt == low && dt != DType::F32 {
+                let m = Var::from_tensor(&value)?;
+                var.set(&value.to_dtype(dt)?)?;
+                m
+            } else {
+                if self.state.world_size > 1 {
+                    var.set(&value.to_dtype(dt)?)?;
+                }
+                var.clone()
+            };
+            names.push(name);
+            compute.push(var);
+            master.push(m);
+        }
+        let sums = vec![None; names.len()];
+        let shard = if self.sharding == crate::Sharding::No {
+            None
+        } else {
+            let sizes: Vec<usize> = compute.iter().map(|v| v.elem_count()).collect();
+            let plan = crate::shard::Plan::new(&sizes, self.state.world_size, self.state.rank);
+            Some(crate::shard::Sharded::new(self.sharding, plan, &full)?)
+        };
+        self.models.push(ParamSet {
+            names,
+            compute,
+            master,
+            sums,
+            buffers: Default::default(),
+            shard,
+        });
+        Ok(())
+    }
+
+    /// Points a user optimizer at the masters of a prepared model and wraps it.
+    pub(crate) fn wrap_optimizer<O: StatefulOptimizer>(
+        &mut self,
+        mut opt: O,
+    ) -> Result<AcceleratedOptimizer<O>> {
+        if self.sharding != crate::Sharding::No {
+            return self.wrap_sharded_optimizer(opt);
+        }
+        let mut masters = Vec::with_capacity(opt.vars().len());
+        let mut copies = Vec::new();
+        for v in opt.vars() {
+            let id = v.as_tensor().id();
+            let found = self.models.iter().find_map(|m| {
+                m.compute
+                    .iter()
+                    .position(|c| c.as_tensor().id() == id)
+                    .map(|i| (m, i))
+            });
+            let Some((m, i)) = found else {
+                return Err(Error::Prepare(
+                    "the optimizer updates a variable of no prepared model; prepare the VarMap \
+                     before (or together with, earlier in the tuple) its optimizer"
+                        .into(),
+                ));
+            };
+            masters.push(m.master[i].clone());
+            if m.compute[i].as_tensor().id() != m.master[i].as_tensor().id() {
+                copies.push((m.compute[i].clone(), m.master[i].clone()));
+            }
+        }
+        if !copies.is_empty() {
+            opt.replace_vars(masters)?;
+        }
+        let names = opt
+            .vars()
+            .iter()
+            .map(|v| self.name_of(v).unwrap_or_default())
+            .collect();
+        let shared = Shared::new(opt);
+        self.optimizers.push(Box::new(OptimizerSlot {
+            opt: shared.clone(),
+            names,
+        }));
+        Ok(AcceleratedOptimizer::new(shared, copies))
+    }
+
+    fn name_of(&self, var: &Var) -> Option<String> {
+        let id = var.as_tensor().id();
+        self.models.iter().find_map(|m| {
+            m.master
+                .iter()
+                .position(|v| v.as_tensor().id() == id)
+                .map(|i| m.names[i].clone())
+        })
+    }
+
+    /// Wraps the optimizer of a sharded model: it updates this process's pieces only, and
+    /// `backward` steps it (the returned optimizer's `step` only records the outcome).
+    pub(crate) fn wrap_sharded_optimizer<O: StatefulOptimizer>(
+        &mut self,
+        mut opt: O,
+    ) -> Result<AcceleratedOptimizer<O>> {
+        let ids: Vec<_> = opt.vars().iter().map(|v| v.as_tensor().id()).collect();
+        let Some(k) = self
+            .models
+            .iter()
+            .position(|m| m.compute.iter().any(|c| ids.contains(&c.as_tensor().id())))
+        else {
+            return Err(Error::Prepare(
+                "the optimizer updates a variable of no prepared model; prepare the VarMap \
+                 before (or together with, earlier in the tuple) its optimizer"
+                    .into(),
+            ));
+        };
+        let m = &mut self.models[k];
+        let whole = ids.len() == m.compute.len()
+            && m.compute.iter().all(|c| ids.contains(&c.as_tensor().id()));
+        if !whole {
+            return Err(Error::Prepare(
+                "under sharding an optimizer updates all of one prepared model's variables: \
+                 build it over `varmap.all_vars()` (one optimizer per model)"
+                    .into(),
+            ));
+        }
+        let shard = m.shard.as_mut().expect("a sharded model");
+        if shard.stepper.is_some() {
+            return Err(Error::Prepare(
+                "this sharded model already has a prepared optimizer; under sharding each \
+                 model has exactly one"
+                    .into(),
+            ));
+        }
+        opt.rebind_fresh(shard.masters.clone())?;
+        let names = shard
+            .plan
+            .pieces
+            .iter()
+            .map(|p| format!("{}[{}..{}]", m.names[p.param], p.from, p.from + p.len))
+            .collect();
+        let shared = Shared::new(opt);
+        let stepped = shared.clone();
+        shard.stepper = Some(Box::new(move |g: &GradStore| {
+            candle_nn::Optimizer::step(&mut *stepped.lock(), g)?;
+            Ok(())
+        }));
+        self.optimizers.push(Box::new(OptimizerSlot {
+            opt: shared.clone(),
+            names,
+        }));
+        Ok(AcceleratedOptimizer::sharded(shared))
+    }
+}
