@@ -3,7 +3,9 @@
 //! rates) to `out/rank{R}.json` so a test can compare it with plain candle.
 //!
 //! Arguments are `key=value`: `opt=sgd|adamw steps=K batch=B n=N accum=A precision=no|fp16|bf16
-//! lr=F momentum=F clip_norm=F clip_value=F sharding=no|optimizer|gradients shuffle=0|1 sched=none|step|warmup dropout=P project=DIR save_at=K resume=1 break=rng|loader|scheduler|optimizer loss_scale=F init_scale=F inject_inf_at=I out=DIR`.
+//! lr=F momentum=F clip_norm=F clip_value=F sharding=no|optimizer|gradients shuffle=0|1 sched=none|step|warmup dropout=P project=DIR save_at=K resume=1 resave=DIR break=rng|loader|scheduler|optimizer loss_scale=F init_scale=F inject_inf_at=I out=DIR`.
+//! `steps` counts micro-steps in all (a resumed run trains only the rest; none when the loaded
+//! state is already there); `resave` saves the state again right after the load.
 
 use candle_core::{DType, Module, Tensor};
 use candle_nn::{linear, Linear, Optimizer, VarBuilder, VarMap};
@@ -223,12 +225,21 @@ fn main() -> ivme::Result<()> {
             _ => {}
         }
     }
+    // A copy of the state as loaded, saved at once (on this run's number of processes and
+    // layout), for tests that compare it with the checkpoint it was loaded from.
+    if let Some(dir) = args.0.get("resave") {
+        acc.save_state(Some(std::path::Path::new(dir)))?;
+    }
     let save_at: u64 = args.get("save_at", 0);
     let steps: usize = args.get("steps", 4);
+    let already = progress.lock().micro as usize >= steps;
     let inject_inf_at: i64 = args.get("inject_inf_at", -1);
     let mut micro = Vec::new();
     let mut micro_index = 0i64;
     'outer: loop {
+        if already {
+            break;
+        }
         for batch in loader.iter() {
             let (x, y) = batch?;
             let before = acc.collective_count();

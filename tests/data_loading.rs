@@ -261,7 +261,10 @@ fn resuming_from_a_saved_position_yields_the_rest_of_the_epoch() -> Result<()> {
         LoaderPosition {
             epoch: 2,
             seed: 9,
-            consumed: 3
+            consumed: 3,
+            skip: 0,
+            // 3 steps of 2 ranks × 4 samples.
+            samples: 24,
         }
     );
     let mut resumed = DataLoader::new(ids(50)?, 4).shuffle(true).shard(1, 2)?;
@@ -302,6 +305,7 @@ fn invalid_positions_and_splits_are_errors() -> Result<()> {
         epoch: 0,
         seed: 0,
         consumed: 5,
+        ..Default::default()
     };
     assert!(loader.set_position(too_far).is_err());
     assert!(DataLoader::new(ids(10)?, 3).shard(2, 2).is_err());

@@ -42,3 +42,82 @@ fn a_macro_loop_over_a_vec_resumes_where_it_stopped() {
         }
     }
 }
+
+/// Plain candle on one process: the example's model, data and AdamW, one step per group of
+/// batch indices (the mean loss over the group's samples, as the ranks' averaged gradients).
+fn plain_candle(steps: &[Vec<usize>]) -> std::collections::BTreeMap<String, Vec<f32>> {
+    use candle_core::{DType, Device, Module, Tensor};
+    use candle_nn::{linear, Optimizer, VarBuilder, VarMap};
+    let device = Device::Cpu;
+    let varmap = VarMap::new();
+    let model = linear(4, 1, VarBuilder::from_varmap(&varmap, DType::F32, &device)).unwrap();
+    let mut rng = ivme::rng::Rng::new(3);
+    {
+        let data = varmap.data().lock().unwrap();
+        let mut names: Vec<&String> = data.keys().collect();
+        names.sort();
+        for name in names {
+            let v = &data[name];
+            v.set(&rng.randn(0.0, 0.5, v.shape(), &device).unwrap())
+                .unwrap();
+        }
+    }
+    let mut rng = ivme::rng::Rng::new(11);
+    let batches: Vec<(Tensor, Tensor)> = (0..10)
+        .map(|_| {
+            let x = rng.randn(0.0, 1.0, (6, 4), &device).unwrap();
+            let y = x.sum_keepdim(1).unwrap();
+            (x, y)
+        })
+        .collect();
+    let params = candle_nn::ParamsAdamW {
+        lr: 0.05,
+        ..Default::default()
+    };
+    let mut opt = candle_nn::AdamW::new(varmap.all_vars(), params).unwrap();
+    for group in steps {
+        let x = Tensor::cat(&group.iter().map(|&i| &batches[i].0).collect::<Vec<_>>(), 0).unwrap();
+        let y = Tensor::cat(&group.iter().map(|&i| &batches[i].1).collect::<Vec<_>>(), 0).unwrap();
+        let loss = candle_nn::loss::mse(&model.forward(&x).unwrap(), &y).unwrap();
+        opt.backward_step(&loss).unwrap();
+    }
+    let data = varmap.data().lock().unwrap();
+    data.iter()
+        .map(|(k, v)| {
+            (
+                k.clone(),
+                v.as_tensor().flatten_all().unwrap().to_vec1().unwrap(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn a_macro_loop_stopped_on_two_processes_resumes_on_one_over_the_batches_left() {
+    let dir = Scratch::new("macro-resume-moved");
+    let project = format!("project={}", dir.0.join("p").display());
+    // 3 steps of 2 batches: batches 0..6 of the first pass are used.
+    let first = run_reports(
+        2,
+        "macro_resume",
+        &[&project, "stop_at=3"],
+        &dir.0.join("a"),
+    );
+    assert_eq!(first.len(), 2);
+    let resumed = run_reports(1, "macro_resume", &[&project], &dir.0.join("b"));
+    // The 4 batches left of the first pass, then two whole passes, one batch per step.
+    assert_eq!(resumed[0]["trained"], 4 + 10 + 10);
+    let mut steps: Vec<Vec<usize>> = vec![vec![0, 1], vec![2, 3], vec![4, 5]];
+    steps.extend((6..10).chain(0..10).chain(0..10).map(|i| vec![i]));
+    let expected = plain_candle(&steps);
+    let got = common::params(&resumed[0]);
+    assert_eq!(
+        got.keys().collect::<Vec<_>>(),
+        expected.keys().collect::<Vec<_>>()
+    );
+    for (name, want) in &expected {
+        for (a, b) in got[name].iter().zip(want) {
+            assert!((a - b).abs() <= 1e-5, "`{name}`: {a} vs plain candle's {b}");
+        }
+    }
+}

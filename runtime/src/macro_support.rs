@@ -67,6 +67,35 @@ pub struct LoopPosition {
     pub pass: u64,
     /// Batches of that pass already handed out on this rank.
     pub next: usize,
+    /// Batches at the start of the pass that a run on another number of processes had
+    /// already used; this rank's share splits the rest. Zero except after such a resume.
+    #[serde(default)]
+    pub skip: usize,
+    /// Batches of the pass used by all ranks together, up to this position.
+    #[serde(default)]
+    pub done: usize,
+}
+
+impl LoopPosition {
+    /// The position a run on another number of processes resumes from: the same pass, with
+    /// the batches this position had used skipped. A mid-pass position written before
+    /// positions counted every rank's batches is refused.
+    pub fn for_new_world(&self) -> Result<LoopPosition> {
+        if self.next > 0 && self.done == 0 {
+            return Err(crate::Error::Usage(
+                "the saved position of the attribute's batch loop does not say how many \
+                 batches all ranks had used (it was written by an older ivme), so it cannot be \
+                 moved to another number of processes; resume on the number that saved it"
+                    .into(),
+            ));
+        }
+        Ok(LoopPosition {
+            pass: self.pass,
+            next: 0,
+            skip: self.done,
+            done: self.done,
+        })
+    }
 }
 
 /// The live cursor behind [`LoopPosition`].
@@ -90,9 +119,9 @@ impl LoopCursor {
         self.resume = Some(p);
     }
 
-    /// Begins a pass: `None` for a pass the loaded checkpoint had finished, else the batch to
-    /// start at.
-    fn begin(&mut self) -> Option<usize> {
+    /// Begins a pass: `None` for a pass the loaded checkpoint had finished, else where to
+    /// start (`skip` and `next` of the position).
+    fn begin(&mut self) -> Option<(usize, usize)> {
         let pass = self.begun;
         self.begun += 1;
         match self.resume {
@@ -100,12 +129,15 @@ impl LoopCursor {
             Some(r) if pass == r.pass => {
                 self.resume = None;
                 self.position = r;
-                return Some(r.next);
+                return Some((r.skip, r.next));
             }
             _ => self.resume = None,
         }
-        self.position = LoopPosition { pass, next: 0 };
-        Some(0)
+        self.position = LoopPosition {
+            pass,
+            ..LoopPosition::default()
+        };
+        Some((0, 0))
     }
 }
 
@@ -115,6 +147,11 @@ struct Pass {
     indices: Vec<usize>,
     padding: Vec<usize>,
     next: usize,
+    // Batches of the pass before this rank's share (see `LoopPosition::skip`), the pass's
+    // batch count and the number of processes: what `LoopPosition::done` is counted from.
+    skip: usize,
+    total: usize,
+    world: usize,
     // false for a pass a loaded checkpoint had finished: it hands out nothing, records nothing
     live: bool,
     observer: std::sync::Arc<crate::grads::GradientState>,
@@ -124,12 +161,18 @@ struct Pass {
 impl Pass {
     /// The pass over `n` batches that begins now.
     fn begin(n: usize, accelerator: &Accelerator) -> Pass {
-        let (indices, padding) = my_share(n, accelerator);
         let cursor = accelerator.loop_cursor();
         let start = cursor.lock().begin();
+        let skip = start.map_or(0, |(skip, _)| skip.min(n));
+        let (indices, padding) = my_share(n, skip, accelerator);
         Pass {
-            next: start.unwrap_or(indices.len()).min(indices.len()),
+            next: start
+                .map_or(indices.len(), |(_, next)| next)
+                .min(indices.len()),
             live: start.is_some(),
+            skip,
+            total: n,
+            world: accelerator.num_processes(),
             indices,
             padding,
             observer: accelerator.gradient_state(),
@@ -145,7 +188,7 @@ impl Pass {
                 let mut c = self.cursor.lock();
                 c.position = LoopPosition {
                     pass: c.position.pass + 1,
-                    next: 0,
+                    ..LoopPosition::default()
                 };
             }
             return None;
@@ -154,7 +197,9 @@ impl Pass {
         self.observer
             .on_batch(k, len, self.padding.get(k).copied().unwrap_or(0));
         self.next += 1;
-        self.cursor.lock().position.next = self.next;
+        let done = (self.skip + self.next * self.world).min(self.total);
+        let mut c = self.cursor.lock();
+        (c.position.next, c.position.done) = (self.next, done);
         Some(self.indices[k])
     }
 }
@@ -175,10 +220,11 @@ impl<T: ToDevice> Iterator for Sharded<T> {
     }
 }
 
-/// The batch indices this rank takes from `n` batches (the DataLoader's convention: rank r
-/// takes r, r+W, …, the last round padded from the start), with each one's padding flag.
-fn my_share(n: usize, accelerator: &Accelerator) -> (Vec<usize>, Vec<usize>) {
-    let order: Vec<usize> = (0..n).collect();
+/// The batch indices this rank takes from batches `skip..n` (the DataLoader's convention:
+/// rank r takes the r-th, (r+W)-th, … of them, the last round padded from their start), with
+/// each one's padding flag.
+fn my_share(n: usize, skip: usize, accelerator: &Accelerator) -> (Vec<usize>, Vec<usize>) {
+    let order: Vec<usize> = (skip..n).collect();
     let plan = plan_epoch(
         &order,
         1,

@@ -206,7 +206,7 @@ impl Accelerator {
             .plan
             .pieces
             .iter()
-            .map(|p| format!("{}[{}..{}]", m.names[p.param], p.from, p.from + p.len))
+            .map(|p| crate::checkpoint::layout::run_name(&m.names[p.param], p.from, p.len))
             .collect();
         let shared = Shared::new(opt);
         let stepped = shared.clone();

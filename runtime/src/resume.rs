@@ -2,8 +2,9 @@
 //! hands it to [`checkpoint`](crate::checkpoint) with barriers between the ranks' steps, and
 //! puts it back on load.
 //!
-//! What is saved: the models' f32 masters and the optimizers' state (from rank 0: they are
-//! identical everywhere), and on every rank its RNG, its loaders' positions, the fp16 loss
+//! What is saved: the models' f32 masters and the optimizers' state (from rank 0, as they are
+//! identical everywhere; under sharding every rank writes its own slice, see
+//! [`checkpoint::layout`](crate::checkpoint::layout)), and on every rank its RNG, its loaders' positions, the fp16 loss
 //! scaler, the accumulation micro-step with the partial gradient sums of a window saved
 //! mid-way, and every object registered with
 //! [`register_for_checkpointing`](crate::Accelerator::register_for_checkpointing).
@@ -15,11 +16,13 @@
 
 use crate::accelerator::Accelerator;
 use crate::checkpoint::fsio::parent_of;
+use crate::checkpoint::layout::{run_name, Layout};
 use crate::checkpoint::model::{load_checkpoint_in_model, save_model, LoadReport, ShardSize};
 use crate::checkpoint::newest::Newest;
 use crate::checkpoint::project::{rotate, ProjectConfiguration};
 use crate::checkpoint::store::{self, Component, ManifestMeta, RankState};
 use crate::checkpoint::FolderLock;
+use crate::config::Sharding;
 use crate::error::{Error, Result};
 use crate::stateful::{Shared, StateDict, Stateful};
 use candle_core::Tensor;
@@ -91,14 +94,28 @@ impl Accelerator {
 
     pub(crate) fn rank_state(&self) -> Result<RankState> {
         let mut components = Vec::new();
-        if self.is_main_process() {
+        // Without sharding the masters and optimizer state are the same everywhere and rank 0
+        // writes them; under sharding every rank writes its slice (nothing is gathered).
+        if self.is_main_process() || self.sharding != Sharding::No {
             for (i, m) in self.models.iter().enumerate() {
-                let tensors = m
-                    .names
-                    .iter()
-                    .cloned()
-                    .zip(m.master.iter().map(|v| v.as_tensor().clone()))
-                    .collect();
+                let tensors = match &m.shard {
+                    Some(s) => s
+                        .plan
+                        .pieces
+                        .iter()
+                        .zip(&s.masters)
+                        .map(|(p, v)| {
+                            let name = run_name(&m.names[p.param], p.from, p.len);
+                            (name, v.as_tensor().clone())
+                        })
+                        .collect(),
+                    None => m
+                        .names
+                        .iter()
+                        .cloned()
+                        .zip(m.master.iter().map(|v| v.as_tensor().clone()))
+                        .collect(),
+                };
                 components.push(Component {
                     name: format!("model_{i}"),
                     tensors,
@@ -163,7 +180,6 @@ impl Accelerator {
     /// [`save_state_async`](Self::save_state_async): it returns the folder it *will* commit.
     /// Otherwise it first finishes a save still running in the background.
     pub fn save_state(&mut self, dir: Option<&Path>) -> Result<PathBuf> {
-        self.refuse_when_sharded("save_state")?;
         if self.background.by_default {
             return self.save_state_async(dir);
         }
@@ -207,10 +223,20 @@ impl Accelerator {
 
     /// What the manifest records about the state as it is now.
     pub(crate) fn manifest_meta(&self) -> ManifestMeta {
+        let counts: Vec<Vec<usize>> = self
+            .models
+            .iter()
+            .filter_map(|m| m.shard.as_ref().map(|s| s.plan.counts.clone()))
+            .collect();
+        let layout = Layout {
+            sharding: self.sharding.to_string(),
+            world_size: self.num_processes(),
+            counts,
+        };
         ManifestMeta {
             world_size: self.num_processes(),
             step: self.optimizer_steps(),
-            extra: json!({ "precision": self.precision().as_str() }),
+            extra: json!({ "precision": self.precision().as_str(), "layout": layout }),
         }
     }
 
@@ -340,7 +366,6 @@ impl Accelerator {
     /// check passed does anything change, and an object that still refuses its state has the
     /// ones loaded before it put back. On an error, the training state is as it was.
     pub fn load_state(&mut self, dir: Option<&Path>) -> Result<PathBuf> {
-        self.refuse_when_sharded("load_state")?;
         // A save still being written must land first: it may be the one asked for.
         self.wait_for_checkpoint()?;
         let dir = match (dir, self.project.clone()) {
@@ -388,8 +413,7 @@ impl Accelerator {
     fn load_checked(&mut self, dir: &Path) -> Result<()> {
         let plan = self.check_checkpoint(dir);
         let plan = self.agree("checking the checkpoint", plan)?;
-        let applied = self.apply_plan(plan);
-        self.agree("loading the checkpoint", applied)
+        self.apply_checked(plan)
     }
 
     /// Resumes from the newest complete checkpoint of the project folder, or says there is none.
@@ -421,7 +445,6 @@ impl Accelerator {
     /// # Ok(()) }
     /// ```
     pub fn load_state_if_any(&mut self) -> Result<Option<PathBuf>> {
-        self.refuse_when_sharded("load_state_if_any")?;
         self.wait_for_checkpoint()?;
         let Some(project) = self.project.clone() else {
             return Err(Error::Usage(

@@ -292,7 +292,6 @@ impl Accelerator {
     /// # let _ = dir; Ok(()) }
     /// ```
     pub fn save_state_async(&mut self, dir: Option<&Path>) -> Result<PathBuf> {
-        self.refuse_when_sharded("save_state_async")?;
         self.wait_for_checkpoint()?;
         let (target, tmp) = self.start_save(dir)?;
         let started = self

@@ -1,63 +1,12 @@
-//! Checks a load makes before it changes anything: that a saved optimizer state fits the
-//! model's variables, and that a saved loss scaler can work and fits this run's precision.
+//! Checks a load makes before it changes anything: that a saved loss scaler can work and fits
+//! this run's precision. (Model and optimizer tensors are checked as they are put into this
+//! run's layout: see `reshard.rs`.)
 
 use std::path::Path;
-
-use candle_core::Var;
 
 use super::format::bad;
 use crate::error::Result;
 use crate::scaler::LossScaler;
-use crate::stateful::StateDict;
-
-/// Refuses an optimizer state whose per-variable tensors (`variable::key`, e.g. AdamW's
-/// `exp_avg`, SGD's `momentum_buffer`) do not name a variable of this run's models or do not
-/// have that variable's dtype and shape. The optimizer checks its scalars itself when loading,
-/// all or nothing; this catches what it would only see after other objects were loaded.
-pub(super) fn check_optimizer(
-    dir: &Path,
-    name: &str,
-    saved: &StateDict,
-    vars: &[(String, Var)],
-) -> Result<()> {
-    let file = dir.join(format!("rank0/{name}.safetensors"));
-    for (full, t) in &saved.tensors {
-        let Some((var, _key)) = full.split_once("::") else {
-            return Err(bad(
-                &file,
-                format!("has `{full}`, which is not `variable::key`: was it saved by an ivme optimizer?"),
-            ));
-        };
-        let matching: Vec<&Var> = vars
-            .iter()
-            .filter(|(n, _)| n == var)
-            .map(|(_, v)| v)
-            .collect();
-        if matching.is_empty() {
-            return Err(bad(
-                &file,
-                format!("has state for `{var}`, which no prepared model has: was it saved by this model?"),
-            ));
-        }
-        if !matching
-            .iter()
-            .any(|v| v.dims() == t.dims() && v.dtype() == t.dtype())
-        {
-            let v = matching[0];
-            return Err(bad(
-                &file,
-                format!(
-                    "has `{full}` as {:?} {:?} but the variable `{var}` is {:?} {:?}; was it saved by this model and optimizer?",
-                    t.dtype(),
-                    t.dims(),
-                    v.dtype(),
-                    v.dims()
-                ),
-            ));
-        }
-    }
-    Ok(())
-}
 
 /// Refuses a scaler that cannot work, or one whose presence does not match this run's
 /// precision (fp16 has a scaler, other precisions none).

@@ -21,6 +21,7 @@ mod checks;
 pub mod faults;
 mod format;
 pub(crate) mod fsio;
+pub mod layout;
 #[cfg(test)]
 mod load_tests;
 pub mod lock;
@@ -29,6 +30,7 @@ pub mod model;
 pub(crate) mod newest;
 pub mod project;
 mod read;
+mod reshard;
 pub(crate) mod restore;
 pub mod staging;
 pub mod store;

@@ -84,8 +84,7 @@ impl Accelerator {
                     )))
                 }
                 (Ok(Checked::Ready(plan)), Some(READY)) => {
-                    let applied = self.apply_plan(*plan);
-                    self.agree("loading the checkpoint", applied)?;
+                    self.apply_checked(*plan)?;
                     return Ok(Newest::Loaded(dir));
                 }
                 // Damaged here or on another rank: every rank moves on to the next older one.

@@ -1,7 +1,9 @@
 //! Loading training state all or nothing.
 //!
-//! [`Accelerator::check_checkpoint`] reads every file this rank needs (rank 0's models and
-//! optimizers, its own loaders, RNG, scaler, partial sums and registered objects) exactly once,
+//! [`Accelerator::check_checkpoint`] reads every file this rank needs (the model and optimizer
+//! state of the saved ranks that hold its part, in any layout; the loaders, RNG, scaler,
+//! partial sums and registered objects of the saved rank of the same index, or of rank 0 for a
+//! rank the saving run did not have) exactly once,
 //! checks each against the manifest's checksum on the bytes as they arrive (the tensors land
 //! straight in staging buffers), and parses and compares every piece with the live objects
 //! (component counts, tensor names, shapes and dtypes, the JSON of each position and state)
@@ -18,9 +20,11 @@ use std::path::{Path, PathBuf};
 use candle_core::{DType, Tensor};
 use serde_json::Value;
 
-use super::checks::{check_optimizer, check_scaler};
+use super::checks::check_scaler;
 use super::format::bad;
-use super::store::{self, Listing, RankState};
+use super::layout::Layout;
+use super::reshard::Assembled;
+use super::store::{self, RankState};
 use super::swap;
 use crate::accelerator::Accelerator;
 use crate::data::LoaderPosition;
@@ -33,11 +37,13 @@ use crate::stateful::StateDict;
 /// Everything a load will apply, already read, parsed and checked.
 pub(crate) struct Plan {
     dir: PathBuf,
-    /// Per model: its saved weights, already checked against the live variables.
-    models: Vec<Vec<(String, Tensor)>>,
+    /// Per model: its saved weights in this run's layout, already checked against the live
+    /// variables (see [`Assembled`]).
+    models: Vec<Vec<Tensor>>,
     optimizers: Vec<StateDict>,
     loaders: Vec<LoaderPosition>,
-    rng: RngState,
+    /// `None` for a rank the saving run did not have: it keeps its own stream.
+    rng: Option<RngState>,
     auto_micro_step: u64,
     /// Where the attribute's loops over plain collections stood.
     macro_loop: Option<LoopPosition>,
@@ -115,13 +121,14 @@ impl Accelerator {
         }
     }
 
-    /// The component names rank `rank` saves, given the prepared objects.
-    fn expected_components(&self, rank: usize) -> BTreeSet<String> {
+    /// The component names saved rank `rank` holds, given the prepared objects: the models
+    /// and optimizers are on rank 0, or on every rank of a `sharded` layout.
+    fn expected_components(&self, rank: usize, sharded: bool) -> BTreeSet<String> {
         let mut out = BTreeSet::from(["rng".to_string(), "training".to_string()]);
         fn n(prefix: &'static str, k: usize) -> impl Iterator<Item = String> {
             (0..k).map(move |i| format!("{prefix}_{i}"))
         }
-        if rank == 0 {
+        if rank == 0 || sharded {
             out.extend(n("model", self.models.len()));
             out.extend(n("optimizer", self.optimizers.len()));
         }
@@ -130,10 +137,16 @@ impl Accelerator {
         out
     }
 
-    /// Refuses a rank's state whose components are not exactly the ones this run saves.
-    fn check_components(&self, dir: &Path, rank: usize, s: &RankState) -> Result<()> {
+    /// Refuses a saved rank's state whose components are not exactly the ones this run saves.
+    fn check_components(
+        &self,
+        dir: &Path,
+        rank: usize,
+        s: &RankState,
+        sharded: bool,
+    ) -> Result<()> {
         let found: BTreeSet<String> = s.components.iter().map(|c| c.name.clone()).collect();
-        let want = self.expected_components(rank);
+        let want = self.expected_components(rank, sharded);
         if found == want {
             return Ok(());
         }
@@ -144,7 +157,7 @@ impl Accelerator {
             ..Counts::default()
         };
         let mut live = self.live_counts();
-        if rank == 0 {
+        if rank == 0 || sharded {
             saved.models = count("model_");
             saved.optimizers = count("optimizer_");
         } else {
@@ -162,42 +175,6 @@ impl Accelerator {
             format!("has components {odd:?} for rank {rank} that this run does not save or expects but does not find; was it saved by this program?")
         };
         Err(bad(dir, msg))
-    }
-
-    /// Checks every tensor of model `i` in the checkpoint against the live variables.
-    fn check_model(&self, dir: &Path, i: usize, listing: &Listing) -> Result<()> {
-        let m = &self.models[i];
-        let file = dir.join(format!("rank0/model_{i}.safetensors"));
-        for (name, master) in m.names.iter().zip(&m.master) {
-            match listing.iter().find(|(n, _, _)| n == name) {
-                None => {
-                    return Err(bad(
-                        &file,
-                        format!("has no `{name}`: was it saved by this model?"),
-                    ))
-                }
-                Some((_, dtype, shape)) if shape.as_slice() != master.dims() || *dtype != master.dtype() => {
-                    return Err(bad(
-                        &file,
-                        format!(
-                            "has `{name}` as {dtype:?} {shape:?} but the model's is {:?} {:?}; was it saved by this model?",
-                            master.dtype(),
-                            master.dims()
-                        ),
-                    ))
-                }
-                Some(_) => {}
-            }
-        }
-        if let Some((extra, _, _)) = listing.iter().find(|(n, _, _)| !m.names.contains(n)) {
-            return Err(bad(
-                &file,
-                format!(
-                    "has `{extra}`, which model {i} does not have: was it saved by this model?"
-                ),
-            ));
-        }
-        Ok(())
     }
 
     /// Reads and checks everything this rank would load from `dir`; changes nothing.
@@ -228,55 +205,33 @@ impl Accelerator {
 
     fn plan_checkpoint(&self, dir: &Path) -> std::result::Result<Plan, Refusal> {
         let manifest = store::read_manifest(dir).map_err(Refusal::Damaged)?;
-        if manifest.world_size != self.num_processes() {
-            return Err(Refusal::Unfit(bad(
-                dir,
-                format!(
-                    "was saved by {} processes but this run has {}; resume with `ivme launch --num_processes {}`",
-                    manifest.world_size,
-                    self.num_processes(),
-                    manifest.world_size
-                ),
-            )));
-        }
+        let layout = Layout::of(dir, &manifest).map_err(Refusal::Damaged)?;
+        let sharded = layout.is_sharded();
         let rank = self.process_index();
-        // Every file is read once, here; the model weights wait in memory until every check passed.
-        let (mut shared, listings) =
-            store::read_rank_in(dir, &manifest, 0, |_| true).map_err(Refusal::Damaged)?;
-        self.check_components(dir, 0, &shared)?;
-        // Taken out, so the plan holds the only handle on each staged buffer.
-        let mut models = Vec::new();
-        for i in 0..self.models.len() {
-            let c = shared
-                .components
-                .iter_mut()
-                .find(|c| c.name == format!("model_{i}"));
-            models.push(
-                c.map(|c| std::mem::take(&mut c.tensors))
-                    .unwrap_or_default(),
-            );
-        }
-        let mine = if rank == 0 {
-            shared.clone()
-        } else {
+        let moved = manifest.world_size != self.num_processes();
+        // The saved rank whose own state (positions, RNG, registered objects) this rank takes.
+        let own = if rank < manifest.world_size { rank } else { 0 };
+        let sources = self.source_ranks(&layout);
+        let weights = |c: &str| c.starts_with("model_") || c.starts_with("optimizer_");
+        // Every file is read once, here; the tensors wait in memory until every check passed.
+        let (mut mine, _) = store::read_rank_in(dir, &manifest, own, |c| {
+            sources.contains(&own) || !weights(c)
+        })
+        .map_err(Refusal::Damaged)?;
+        self.check_components(dir, own, &mine, sharded)?;
+        let mut others = Vec::new();
+        for &k in sources.iter().filter(|&&k| k != own) {
             let (s, _) =
-                store::read_rank_in(dir, &manifest, rank, |_| true).map_err(Refusal::Damaged)?;
-            self.check_components(dir, rank, &s)?;
-            s
-        };
-        let file = |name: &str| dir.join(format!("rank{rank}/{name}.json"));
-        for (i, listing) in (0..self.models.len()).map(|i| (i, &listings[&format!("model_{i}")])) {
-            self.check_model(dir, i, listing)?;
+                store::read_rank_in(dir, &manifest, k, weights).map_err(Refusal::Damaged)?;
+            self.check_components(dir, k, &s, sharded)?;
+            others.push(s);
         }
-        let mut optimizers = Vec::new();
-        let vars = self.named_master_vars();
-        for i in 0..self.optimizers.len() {
-            let name = format!("optimizer_{i}");
-            let saved =
-                state_of(&shared, &name).ok_or_else(|| bad(dir, format!("has no `{name}`")))?;
-            check_optimizer(dir, &name, &saved, &vars)?;
-            optimizers.push(saved);
-        }
+        let mut states: Vec<&mut RankState> = others.iter_mut().collect();
+        // This rank's own folder last: an optimizer's scalars come from the first that has it.
+        states.push(&mut mine);
+        let Assembled { models, optimizers } = self.assemble(dir, &layout, &mut states)?;
+        drop(others);
+        let file = |name: &str| dir.join(format!("rank{own}/{name}.json"));
         let parse = |name: &str, what: &str| -> Result<Value> {
             mine.get(name)
                 .map(|c| c.json.clone())
@@ -291,11 +246,12 @@ impl Accelerator {
             let what = "a data loader position (epoch, seed, consumed)";
             let pos: LoaderPosition =
                 serde_json::from_value(parse(&name, what)?).map_err(|e| typed(&name, what, e))?;
-            loaders.push(pos);
+            loaders.push(if moved { pos.for_new_world()? } else { pos });
         }
         let what = "an RNG state (a 32-byte seed and a word position)";
         let rng: RngState =
             serde_json::from_value(parse("rng", what)?).map_err(|e| typed("rng", what, e))?;
+        let rng = (rank < manifest.world_size).then_some(rng);
         let training = mine
             .get("training")
             .ok_or_else(|| bad(&file("training"), "is missing"))?;
@@ -314,21 +270,37 @@ impl Accelerator {
         let what = "a loop position (pass, next)";
         let macro_loop: Option<LoopPosition> = match training.json.get("macro_loop") {
             None | Some(Value::Null) => None,
-            Some(v) => Some(serde_json::from_value(v.clone()).map_err(|e| {
-                bad(
-                    &file("training"),
-                    format!("`macro_loop` is not {what} ({e})"),
-                )
-            })?),
+            Some(v) => {
+                let p: LoopPosition = serde_json::from_value(v.clone()).map_err(|e| {
+                    bad(
+                        &file("training"),
+                        format!("`macro_loop` is not {what} ({e})"),
+                    )
+                })?;
+                Some(if moved { p.for_new_world()? } else { p })
+            }
         };
-        let sums = self.check_sums(
-            &dir.join(format!("rank{rank}/training.safetensors")),
-            &training.tensors,
-        )?;
+        let sums_file = dir.join(format!("rank{own}/training.safetensors"));
+        if moved && !training.tensors.is_empty() {
+            return Err(Refusal::Unfit(bad(
+                &sums_file,
+                format!(
+                    "holds the partial gradient sums of an accumulation window saved mid-way; \
+                     they belong to the {} processes that saved them, so this checkpoint resumes \
+                     only on {} processes (`ivme launch --num_processes {}`); to move to another \
+                     number, save at the end of a window",
+                    manifest.world_size, manifest.world_size, manifest.world_size
+                ),
+            )));
+        }
+        let sums = self.check_sums(&sums_file, &training.tensors)?;
         let mut custom = Vec::new();
         for i in 0..self.registered.len() {
             let name = format!("custom_{i}");
             custom.push(state_of(&mine, &name).ok_or_else(|| bad(&file(&name), "is missing"))?);
+        }
+        if moved {
+            self.warn_moved(manifest.world_size);
         }
         Ok(Plan {
             dir: dir.to_path_buf(),
@@ -383,7 +355,7 @@ impl Accelerator {
 
     /// Applies a plan that every rank checked: all of it, or (when an object refuses its
     /// state) none of it.
-    pub(crate) fn apply_plan(&mut self, plan: Plan) -> Result<()> {
+    fn apply_plan(&mut self, plan: Plan) -> Result<()> {
         let Plan {
             dir,
             models,
@@ -400,7 +372,9 @@ impl Accelerator {
         for (shared, pos) in self.loaders.iter().zip(loaders) {
             *shared.lock() = pos;
         }
-        *self.rng.lock() = crate::rng::Rng::from_state(rng);
+        if let Some(rng) = rng {
+            *self.rng.lock() = crate::rng::Rng::from_state(rng);
+        }
         self.grad_state.set_auto_index(auto_micro_step);
         if let Some(p) = macro_loop {
             self.loop_cursor.lock().resume_from(p);
@@ -410,17 +384,31 @@ impl Accelerator {
             m.sums = s;
         }
         for (m, saved) in self.models.iter().zip(models) {
-            for (name, t) in saved {
-                // `check_model` matched every saved name to a variable of this model.
-                let Some(j) = m.names.iter().position(|n| *n == name) else {
-                    continue;
-                };
-                let (master, compute) = (&m.master[j], &m.compute[j]);
-                swap::move_into(master, t)?;
-                crate::precision::refresh_copy(compute, master)?;
+            match &m.shard {
+                // The pieces of this process's slice; `gather_loaded_slices` fills the weights.
+                Some(shard) => {
+                    // Copied: a piece may be a view into a larger saved run.
+                    for (master, t) in shard.masters.iter().zip(saved) {
+                        master.set(&t)?;
+                    }
+                }
+                None => {
+                    for ((master, compute), t) in m.master.iter().zip(&m.compute).zip(saved) {
+                        swap::move_into(master, t)?;
+                        crate::precision::refresh_copy(compute, master)?;
+                    }
+                }
             }
         }
         Ok(())
+    }
+
+    /// Applies a plan every rank checked, agrees on the outcome, and (sharded models) gathers
+    /// every process's loaded slice into the model weights.
+    pub(crate) fn apply_checked(&mut self, plan: Plan) -> Result<()> {
+        let applied = self.apply_plan(plan);
+        self.agree("loading the checkpoint", applied)?;
+        self.gather_loaded_slices()
     }
 
     /// Loads registered objects, then optimizers; if one refuses, the ones already loaded get

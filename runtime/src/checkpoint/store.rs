@@ -332,8 +332,7 @@ pub(crate) fn read_rank_in(
         return Err(bad(
             dir,
             format!(
-                "was saved by {} processes, so it has no state for rank {rank}; resume with the same \
-                 number of processes (resharding is not supported yet)",
+                "was saved by {} processes, so it has no state for rank {rank}",
                 m.world_size
             ),
         ));

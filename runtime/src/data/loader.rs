@@ -4,25 +4,11 @@ use std::fmt;
 use std::sync::Arc;
 
 use candle_core::Device;
-use serde::{Deserialize, Serialize};
 
 use super::sampler::{self, PlannedBatch};
-use super::{Dataset, StepObserver};
+use super::{Dataset, LoaderPosition, StepObserver};
 use crate::stateful::Shared;
 use crate::{Error, Result};
-
-/// Where a loader stands: the epoch, the shuffle seed and how many of this rank's batches of
-/// that epoch have been handed out. Saved with the training state so a resumed run continues
-/// with the next batch.
-#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
-pub struct LoaderPosition {
-    /// The epoch, which with the seed fixes the shuffled order.
-    pub epoch: u64,
-    /// The shuffle seed.
-    pub seed: u64,
-    /// Batches of this epoch already yielded on this rank.
-    pub consumed: usize,
-}
 
 /// Yields this rank's batches of a [`Dataset`], shuffled per epoch when asked, placed on a
 /// device.
@@ -65,6 +51,9 @@ pub struct DataLoader<D: Dataset> {
     shared: Option<Shared<LoaderPosition>>,
     epoch: u64,
     consumed: usize,
+    // Samples of this epoch's order handled before this plan (by a run on another number of
+    // processes); this rank's plan splits the rest.
+    skip: usize,
     last_padding: usize,
     /// This rank's plan for `epoch`; cleared whenever anything it depends on changes.
     plan: Option<Vec<PlannedBatch>>,
@@ -89,6 +78,7 @@ impl<D: Dataset> DataLoader<D> {
             shared: None,
             epoch: 0,
             consumed: 0,
+            skip: 0,
             last_padding: 0,
             plan: None,
         }
@@ -183,12 +173,13 @@ impl<D: Dataset> DataLoader<D> {
         let Some(shared) = &self.shared else { return };
         let p = *shared.lock();
         if p != self.own_position() {
-            if (p.epoch, p.seed) != (self.epoch, self.seed) {
+            if (p.epoch, p.seed, p.skip) != (self.epoch, self.seed, self.skip) {
                 self.plan = None;
             }
             self.epoch = p.epoch;
             self.seed = p.seed;
             self.consumed = p.consumed;
+            self.skip = p.skip;
         }
     }
 
@@ -200,11 +191,28 @@ impl<D: Dataset> DataLoader<D> {
     }
 
     fn own_position(&self) -> LoaderPosition {
+        let n = self.dataset.len();
+        let len = self.len();
+        // Every rank's batches of a full step are consumed together; once this rank's plan is
+        // done, so is the epoch (a dropped tail included).
+        let samples = if len > 0 && self.consumed >= len {
+            n
+        } else {
+            (self.skip + self.consumed * self.world * self.batch_size).min(n)
+        };
         LoaderPosition {
             epoch: self.epoch,
             seed: self.seed,
             consumed: self.consumed,
+            skip: self.skip,
+            samples,
         }
+    }
+
+    /// Whether this rank has had every batch of the current epoch.
+    fn epoch_done(&self) -> bool {
+        let len = self.len();
+        (len > 0 && self.consumed >= len) || (self.skip > 0 && self.skip >= self.dataset.len())
     }
 
     /// Returns true once an accelerator has prepared this loader.
@@ -215,7 +223,7 @@ impl<D: Dataset> DataLoader<D> {
     /// Returns the number of batches this rank gets per epoch.
     pub fn len(&self) -> usize {
         sampler::batches_per_rank(
-            self.dataset.len(),
+            self.dataset.len().saturating_sub(self.skip),
             self.batch_size,
             self.world,
             self.rank,
@@ -246,6 +254,7 @@ impl<D: Dataset> DataLoader<D> {
         if epoch != self.epoch {
             self.epoch = epoch;
             self.consumed = 0;
+            self.skip = 0;
             self.plan = None;
             self.publish();
         }
@@ -261,7 +270,14 @@ impl<D: Dataset> DataLoader<D> {
 
     /// Restores a saved position, so the next batch is the one after the last yielded.
     pub fn set_position(&mut self, position: LoaderPosition) -> Result<()> {
-        let len = self.len();
+        let len = sampler::batches_per_rank(
+            self.dataset.len().saturating_sub(position.skip),
+            self.batch_size,
+            self.world,
+            self.rank,
+            self.drop_last,
+            self.even_batches,
+        );
         if position.consumed > len {
             return Err(Error::Usage(format!(
                 "the saved data position has {} batches consumed, but this loader yields {len} \
@@ -270,12 +286,13 @@ impl<D: Dataset> DataLoader<D> {
                 position.consumed
             )));
         }
-        if (position.epoch, position.seed) != (self.epoch, self.seed) {
+        if (position.epoch, position.seed, position.skip) != (self.epoch, self.seed, self.skip) {
             self.plan = None;
         }
         self.epoch = position.epoch;
         self.seed = position.seed;
         self.consumed = position.consumed;
+        self.skip = position.skip;
         self.publish();
         Ok(())
     }
@@ -302,8 +319,7 @@ impl<D: Dataset> DataLoader<D> {
             ))
         } else {
             self.adopt();
-            let len = self.len();
-            if len > 0 && self.consumed >= len {
+            if self.epoch_done() {
                 self.set_epoch(self.epoch.wrapping_add(1));
             }
             None
@@ -320,7 +336,7 @@ impl<D: Dataset> DataLoader<D> {
             let order =
                 sampler::epoch_order(self.dataset.len(), self.shuffle, self.seed, self.epoch);
             self.plan = Some(sampler::plan_epoch(
-                &order,
+                &order[self.skip.min(order.len())..],
                 self.batch_size,
                 self.world,
                 self.rank,
@@ -338,9 +354,7 @@ impl<D: Dataset> DataLoader<D> {
         let index = self.consumed;
         let planned = plan.get(index)?;
         self.consumed += 1;
-        if let Some(shared) = &self.shared {
-            shared.lock().consumed = self.consumed;
-        }
+        self.publish();
         let batch = self.dataset.get_batch(&planned.indices, &self.device);
         self.last_padding = planned.padding;
         if batch.is_ok() {

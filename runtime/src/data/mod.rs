@@ -3,10 +3,12 @@
 
 mod dataset;
 mod loader;
+mod position;
 pub mod sampler;
 
 pub use dataset::{Dataset, TensorColumns, TensorDataset};
-pub use loader::{Batches, DataLoader, LoaderPosition};
+pub use loader::{Batches, DataLoader};
+pub use position::LoaderPosition;
 
 /// Told about every batch a prepared loader hands out, so gradient accumulation knows where
 /// each accumulation window starts and ends (including a short last window).

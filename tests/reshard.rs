@@ -1,0 +1,294 @@
+//! Checkpoints that resume on another number of processes and another sharding stage, on real
+//! processes: the state after the load equals the saved one element for element, and training
+//! continues over the samples of the epoch not yet used, as plain candle on one process with
+//! the same global batches does.
+
+mod common;
+mod reference;
+
+use candle_core::Device;
+use ivme::data::sampler::epoch_order;
+use serde_json::Value;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+const N: usize = 24;
+
+/// Runs the harness on `n` processes and returns rank 0's report.
+fn harness(n: usize, args: &[&str], out: &Path) -> Value {
+    let r = common::run_reports(n, "harness", args, out);
+    assert_eq!(r.len(), n, "{args:?}: not every rank reported");
+    for other in &r[1..] {
+        assert_eq!(
+            reference::max_diff(&common::params(&r[0]), &common::params(other)),
+            0.0,
+            "{args:?}: ranks ended with different weights"
+        );
+    }
+    r[0].clone()
+}
+
+/// The arguments every run shares: AdamW on the MLP, a shuffled dataset of `N` samples.
+fn base(n_batch: usize, sharding: &str, project: &Path) -> Vec<String> {
+    vec![
+        "opt=adamw".into(),
+        "lr=0.01".into(),
+        format!("n={N}"),
+        "shuffle=1".into(),
+        format!("batch={n_batch}"),
+        format!("sharding={sharding}"),
+        format!("project={}", project.display()),
+    ]
+}
+
+fn strs(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
+}
+
+/// The harness's shuffled order of epoch `e` (seed 11), cut into global batches of `sizes`.
+fn batches(e: u64, from: usize, sizes: &[usize]) -> Vec<Vec<usize>> {
+    let order = epoch_order(N, true, 11, e);
+    let mut at = from;
+    sizes
+        .iter()
+        .map(|s| {
+            let b = order[at..(at + s).min(N)].to_vec();
+            at += s;
+            b
+        })
+        .collect()
+}
+
+/// Saves on 2 processes × batch 3 after 2 steps (12 of the epoch's 24 samples used), into a
+/// fresh project folder; returns the folder.
+fn save_on_two(sharding: &str, root: &Path, extra: &[&str]) -> PathBuf {
+    let project = root.join(format!("saved-{sharding}"));
+    let mut args = base(3, sharding, &project);
+    args.extend(["save_at=2".to_string(), "steps=99".to_string()]);
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let o = common::launch(2, &common::example_bin("harness"), &strs(&args), &[]);
+    common::ok(&o);
+    project
+}
+
+/// Copies a project folder, so each resume starts from the same checkpoint untouched.
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        let dst = to.join(e.file_name());
+        if e.file_type().unwrap().is_dir() {
+            copy_dir(&e.path(), &dst);
+        } else {
+            std::fs::copy(e.path(), dst).unwrap();
+        }
+    }
+}
+
+#[test]
+fn training_resumed_on_one_or_three_processes_continues_over_the_unused_samples() {
+    let root = common::Scratch::new("reshard-train");
+    // Plain candle, one process: the global batches of 6 that 2 × 3 saw first, then the rest.
+    let first = batches(0, 0, &[6, 6]);
+    let same = |tail: &[Vec<usize>]| -> BTreeMap<String, Vec<f32>> {
+        let all: Vec<Vec<usize>> = first.iter().chain(tail).cloned().collect();
+        let params = candle_nn::ParamsAdamW {
+            lr: 0.01,
+            ..Default::default()
+        };
+        reference::train::<candle_nn::AdamW>(N, &all, params)
+    };
+    // Global batch 6 again (1 × 6, 3 × 2): the rest of epoch 0, then two of epoch 1.
+    let sixes: Vec<Vec<usize>> = batches(0, 12, &[6, 6])
+        .into_iter()
+        .chain(batches(1, 0, &[6, 6]))
+        .collect();
+    let expect_sixes = same(&sixes);
+    // Global batch 9 (3 × 3): 9 of the 12 left, the last 3 split one each, then epoch 1.
+    let nines: Vec<Vec<usize>> = batches(0, 12, &[9, 3])
+        .into_iter()
+        .chain(batches(1, 0, &[9]))
+        .collect();
+    let expect_nines = same(&nines);
+    // (processes, batch per process, stage) of each resume.
+    type Resume = (usize, usize, &'static str);
+    let cases: [(&str, &[Resume]); 3] = [
+        ("no", &[(1, 6, "no"), (3, 2, "gradients"), (3, 3, "no")]),
+        ("optimizer", &[(1, 6, "optimizer"), (3, 2, "no")]),
+        (
+            "gradients",
+            &[(3, 2, "gradients"), (1, 6, "no"), (3, 3, "optimizer")],
+        ),
+    ];
+    for (saved_as, resumes) in cases {
+        let saved = save_on_two(saved_as, &root.0, &[]);
+        for &(n, b, stage) in resumes {
+            let what = format!("saved on 2 × 3 ({saved_as}), resumed on {n} × {b} ({stage})");
+            let project = root.0.join(format!("r-{saved_as}-{n}-{b}-{stage}"));
+            copy_dir(&saved, &project);
+            let steps = if b == 3 { 5 } else { 6 };
+            let mut args = base(b, stage, &project);
+            args.extend(["resume=1".to_string(), format!("steps={steps}")]);
+            let out = root.0.join(format!("out-{saved_as}-{n}-{b}-{stage}"));
+            let report = harness(n, &strs(&args), &out);
+            let expected = if b == 3 { &expect_nines } else { &expect_sixes };
+            let diff = reference::max_diff(&common::params(&report), expected);
+            assert!(
+                diff <= 1e-6,
+                "{what}: max abs diff {diff} from plain candle"
+            );
+        }
+    }
+}
+
+/// Every model and optimizer tensor of a checkpoint, whatever its layout, as whole flat values:
+/// `name` and `name::state`, put together here from `name[from..to]` runs of every rank folder.
+fn logical_state(dir: &Path) -> BTreeMap<String, Vec<f32>> {
+    let mut runs: BTreeMap<String, Vec<(usize, Vec<f32>)>> = BTreeMap::new();
+    for rank in std::fs::read_dir(dir).unwrap() {
+        let rank = rank.unwrap().path();
+        if !rank.is_dir() {
+            continue;
+        }
+        for file in ["model_0.safetensors", "optimizer_0.safetensors"] {
+            let path = rank.join(file);
+            if !path.exists() {
+                continue;
+            }
+            for (saved, t) in candle_core::safetensors::load(&path, &Device::Cpu).unwrap() {
+                let values = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                let (var, state) = match saved.split_once("::") {
+                    Some((v, s)) => (v.to_string(), format!("::{s}")),
+                    None => (saved.clone(), String::new()),
+                };
+                let (name, from) = match var.strip_suffix(']').and_then(|v| v.rsplit_once('[')) {
+                    Some((name, range)) => {
+                        let from = range.split_once("..").unwrap().0.parse().unwrap();
+                        (name.to_string(), from)
+                    }
+                    None => (var.clone(), 0),
+                };
+                runs.entry(format!("{name}{state}"))
+                    .or_default()
+                    .push((from, values));
+            }
+        }
+    }
+    runs.into_iter()
+        .map(|(k, mut parts)| {
+            parts.sort_by_key(|p| p.0);
+            let mut whole = Vec::new();
+            for (from, v) in parts {
+                assert_eq!(from, whole.len(), "{k}: runs leave a gap or overlap");
+                whole.extend(v);
+            }
+            (k, whole)
+        })
+        .collect()
+}
+
+fn only_checkpoint(project: &Path) -> PathBuf {
+    let dirs: Vec<PathBuf> = std::fs::read_dir(project.join("checkpoints"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.join("manifest.json").exists())
+        .collect();
+    assert_eq!(dirs.len(), 1, "{dirs:?}");
+    dirs[0].clone()
+}
+
+fn json(path: &Path) -> Value {
+    serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap()
+}
+
+#[test]
+fn the_state_loaded_on_another_layout_is_the_saved_state_exactly() {
+    let root = common::Scratch::new("reshard-exact");
+    for saved_as in ["no", "gradients"] {
+        let project = save_on_two(saved_as, &root.0, &[]);
+        let saved = only_checkpoint(&project);
+        let want = logical_state(&saved);
+        // 49 weights, each with AdamW's two moments.
+        assert_eq!(want.len(), 4 * 3, "{saved_as}: {:?}", want.keys());
+        let manifest = ivme::checkpoint::verify(&saved).unwrap();
+        let layout = &manifest.extra["layout"];
+        assert_eq!(layout["world_size"], 2);
+        if saved_as == "gradients" {
+            // Each rank wrote its own slice: 24 and 25 of the 49 weights, nothing gathered.
+            assert_eq!(layout["counts"], serde_json::json!([[24, 25]]));
+            let rank1 = candle_core::safetensors::load(
+                saved.join("rank1/model_0.safetensors"),
+                &Device::Cpu,
+            )
+            .unwrap();
+            let held: usize = rank1.values().map(|t| t.elem_count()).sum();
+            assert_eq!(held, 25);
+        }
+        for (n, stage) in [(1usize, "no"), (3, "optimizer"), (3, "gradients")] {
+            let what = format!("saved on 2 ({saved_as}), loaded on {n} ({stage})");
+            let project = root.0.join(format!("x-{saved_as}-{n}-{stage}"));
+            copy_dir(&project_of(&saved), &project);
+            let again = root.0.join(format!("again-{saved_as}-{n}-{stage}"));
+            let mut args = base(6 / n, stage, &project);
+            args.extend([
+                "resume=1".to_string(),
+                "steps=2".to_string(),
+                format!("resave={}", again.display()),
+            ]);
+            let out = root.0.join(format!("out-x-{saved_as}-{n}-{stage}"));
+            let report = harness(n, &strs(&args), &out);
+            assert_eq!(
+                logical_state(&again),
+                want,
+                "{what}: the loaded state differs"
+            );
+            // The weights in the model are the saved masters.
+            for (name, values) in common::params(&report) {
+                assert_eq!(values, want[&name], "{what}: `{name}` in the model");
+            }
+            // Every new rank continues after the 12 samples all the old ranks had used.
+            for r in 0..n {
+                let pos = json(&again.join(format!("rank{r}/loader_0.json")));
+                assert_eq!(
+                    (pos["skip"].as_u64(), pos["consumed"].as_u64()),
+                    (Some(12), Some(0)),
+                    "{what}: rank {r}"
+                );
+            }
+            let opt = json(&again.join("rank0/optimizer_0.json"));
+            assert_eq!(opt["step"], 2, "{what}");
+        }
+    }
+}
+
+/// The project folder holding checkpoint `dir` (`PROJECT/checkpoints/checkpoint_K`).
+fn project_of(dir: &Path) -> PathBuf {
+    dir.parent().unwrap().parent().unwrap().to_path_buf()
+}
+
+#[test]
+fn a_window_saved_mid_way_resumes_only_on_the_processes_that_saved_it() {
+    let root = common::Scratch::new("reshard-window");
+    // accum=2, saved after 3 micro-steps: the second window is half summed.
+    let project = root.0.join("p");
+    let mut args = base(3, "no", &project);
+    args.extend(["accum=2", "save_at=3", "steps=99"].map(String::from));
+    common::ok(&common::launch(
+        2,
+        &common::example_bin("harness"),
+        &strs(&args),
+        &[],
+    ));
+    let mut resume = base(6, "no", &project);
+    resume.extend(["accum=2", "resume=1", "steps=4"].map(String::from));
+    let o = common::launch(1, &common::example_bin("harness"), &strs(&resume), &[]);
+    let e = common::refused(&o);
+    assert!(
+        e.contains("accumulation window saved mid-way") && e.contains("--num_processes 2"),
+        "{e}"
+    );
+    // On the 2 processes that saved it, it resumes.
+    let mut same = base(3, "no", &project);
+    same.extend(["accum=2", "resume=1", "steps=4"].map(String::from));
+    harness(2, &strs(&same), &root.0.join("out"));
+}
