@@ -3,9 +3,10 @@
 //! rates) to `out/rank{R}.json` so a test can compare it with plain candle.
 //!
 //! Arguments are `key=value`: `opt=sgd|adamw steps=K batch=B n=N accum=A precision=no|fp16|bf16
-//! lr=F momentum=F clip_norm=F clip_value=F sharding=no|optimizer|gradients shuffle=0|1 sched=none|step|warmup dropout=P project=DIR save_at=K resume=1 resave=DIR break=rng|loader|scheduler|optimizer loss_scale=F init_scale=F inject_inf_at=I out=DIR`.
+//! lr=F momentum=F clip_norm=F clip_value=F sharding=no|optimizer|gradients shuffle=0|1 sched=none|step|warmup dropout=P project=DIR save_at=K resume=1 resave=DIR model_out=DIR break=rng|loader|scheduler|optimizer loss_scale=F init_scale=F inject_inf_at=I out=DIR`.
 //! `steps` counts micro-steps in all (a resumed run trains only the rest; none when the loaded
-//! state is already there); `resave` saves the state again right after the load.
+//! state is already there); `resave` saves the state again right after the load; `model_out`
+//! saves the model (`save_model`) at the end.
 
 use candle_core::{DType, Module, Tensor};
 use candle_nn::{linear, Linear, Optimizer, VarBuilder, VarMap};
@@ -279,6 +280,9 @@ fn main() -> ivme::Result<()> {
                 break 'outer;
             }
         }
+    }
+    if let Some(dir) = args.0.get("model_out") {
+        acc.save_model(std::path::Path::new(dir), None)?;
     }
     let params: BTreeMap<String, Vec<f32>> = acc
         .named_master_vars()

@@ -63,8 +63,8 @@ fn settings(path: &Path) -> Vec<String> {
 fn the_questionnaire_writes_the_answers_given() {
     let dir = scratch("wizard");
     let cfg = dir.join("nested/ivme.toml");
-    // this machine, 2 processes, CPU only, bf16, 4 micro-batches per step
-    let out = ivme_in(&dir, &cfg, &["config"], "1\n2\nyes\nbf16\n4\n");
+    // this machine, 2 processes, CPU only, bf16, 4 micro-batches per step, ZeRO stage 1
+    let out = ivme_in(&dir, &cfg, &["config"], "1\n2\nyes\nbf16\n4\noptimizer\n");
     let stdout = ok(&out);
     assert!(
         stdout.contains(&format!("wrote {}", cfg.display())),
@@ -77,6 +77,7 @@ fn the_questionnaire_writes_the_answers_given() {
             "num_processes = 2",
             "cpu = true",
             "mixed_precision = \"bf16\"",
+            "sharding = \"optimizer\"",
             "gradient_accumulation_steps = 4",
             "backend = \"mpi\"",
             "num_machines = 1",
@@ -100,7 +101,7 @@ fn the_questionnaire_asks_for_several_machines() {
     let cfg = dir.join("ivme.toml");
     // several machines, no hostfile, 2 machines, this is rank 1, main at 10.0.0.1, default
     // port, the other machine, 3 processes (refused: not a multiple of 2), then 4, defaults.
-    let answers = "2\n\n2\n1\n10.0.0.1\n\n10.0.0.2\n3\n4\nno\nno\n1\n";
+    let answers = "2\n\n2\n1\n10.0.0.1\n\n10.0.0.2\n3\n4\nno\nno\n1\nno\n";
     let out = ivme_in(
         &dir,
         &cfg,

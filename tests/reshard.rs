@@ -292,3 +292,131 @@ fn a_window_saved_mid_way_resumes_only_on_the_processes_that_saved_it() {
     same.extend(["accum=2", "resume=1", "steps=4"].map(String::from));
     harness(2, &strs(&same), &root.0.join("out"));
 }
+
+fn merge(args: &[&str]) -> String {
+    let o = std::process::Command::new(common::ivme_bin())
+        .arg("merge-weights")
+        .args(args)
+        .output()
+        .unwrap();
+    common::ok(&o)
+}
+
+#[test]
+fn merge_weights_turns_any_layout_into_a_model_folder_that_candle_and_python_read() {
+    let root = common::Scratch::new("reshard-merge");
+    let params = candle_nn::ParamsAdamW {
+        lr: 0.01,
+        ..Default::default()
+    };
+    // Plain candle after the two global batches the saving run trained on.
+    let expected = reference::train::<candle_nn::AdamW>(N, &batches(0, 0, &[6, 6]), params);
+    let (want_model, _) = reference::model();
+    let shapes: BTreeMap<String, Vec<usize>> = want_model
+        .data()
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(k, v)| (k.clone(), v.dims().to_vec()))
+        .collect();
+    for saved_as in ["no", "gradients"] {
+        let ckpt = only_checkpoint(&save_on_two(saved_as, &root.0, &[]));
+        let out = root.0.join(format!("hf-{saved_as}"));
+        let printed = merge(&[ckpt.to_str().unwrap(), out.to_str().unwrap()]);
+        assert!(
+            printed.contains("wrote 4 tensors (49 parameters)"),
+            "{printed}"
+        );
+        let got =
+            candle_core::safetensors::load(out.join("model.safetensors"), &Device::Cpu).unwrap();
+        assert_eq!(got.len(), 4, "{saved_as}");
+        for (name, t) in &got {
+            assert_eq!(t.dims(), shapes[name].as_slice(), "{saved_as}: `{name}`");
+            let v = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let diff = v
+                .iter()
+                .zip(&expected[name])
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            assert!(
+                diff <= 1e-6,
+                "{saved_as}: `{name}` is {diff} from plain candle"
+            );
+        }
+        // Shards with an index, in bf16: candle's mmaped VarBuilder and Python read them.
+        let sharded = root.0.join(format!("hf-{saved_as}-sharded"));
+        merge(&[
+            ckpt.to_str().unwrap(),
+            sharded.to_str().unwrap(),
+            "--max-shard-size",
+            "50B",
+            "--dtype=bf16",
+        ]);
+        let index = json(&sharded.join("model.safetensors.index.json"));
+        let mut files: Vec<PathBuf> = index["weight_map"]
+            .as_object()
+            .unwrap()
+            .values()
+            .map(|f| sharded.join(f.as_str().unwrap()))
+            .collect();
+        files.sort();
+        files.dedup();
+        assert!(files.len() > 1, "{saved_as}: one shard only");
+        let vb = unsafe {
+            candle_nn::VarBuilder::from_mmaped_safetensors(
+                &files,
+                candle_core::DType::BF16,
+                &Device::Cpu,
+            )
+        }
+        .unwrap();
+        for (name, dims) in &shapes {
+            let t = vb.get(dims.as_slice(), name).unwrap();
+            let v = t
+                .to_dtype(candle_core::DType::F32)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap();
+            for (a, b) in v.iter().zip(&expected[name]) {
+                assert!(
+                    (a - b).abs() <= 1e-2 * b.abs().max(1e-2),
+                    "{saved_as}: bf16 `{name}`: {a} vs {b}"
+                );
+            }
+        }
+        let py = std::process::Command::new("python3")
+            .arg("-c")
+            .arg(
+                "import json, sys, os\nfrom safetensors import safe_open\nd = sys.argv[1]\n\
+                 m = json.load(open(os.path.join(d, 'model.safetensors.index.json')))['weight_map']\n\
+                 out = {}\nfor name, f in sorted(m.items()):\n    with safe_open(os.path.join(d, f), 'numpy') as h:\n        \
+                 out[name] = [list(h.get_slice(name).get_shape()), str(h.get_slice(name).get_dtype())]\nprint(json.dumps(out))",
+            )
+            .arg(&sharded)
+            .output()
+            .expect("python3 (scripts/setup.sh)");
+        assert!(
+            py.status.success(),
+            "{}",
+            String::from_utf8_lossy(&py.stderr)
+        );
+        let seen: BTreeMap<String, (Vec<usize>, String)> =
+            serde_json::from_slice(&py.stdout).unwrap();
+        for (name, dims) in &shapes {
+            assert_eq!(
+                seen[name],
+                (dims.clone(), "BF16".to_string()),
+                "{saved_as}: python reads `{name}`"
+            );
+        }
+    }
+    // Bad input is a clear error, not a panic.
+    let o = std::process::Command::new(common::ivme_bin())
+        .args(["merge-weights", root.0.to_str().unwrap(), "x"])
+        .output()
+        .unwrap();
+    let e = common::refused(&o);
+    assert!(e.contains("has no manifest.json"), "{e}");
+}

@@ -145,6 +145,57 @@ fn both_stages_train_in_bf16_and_fp16_with_the_first_update_close_to_f32() {
 }
 
 #[test]
+fn save_model_writes_the_f32_masters_not_the_rounded_weights() {
+    let root = common::Scratch::new("zero-save-model");
+    for stage in STAGES {
+        let dir = root.0.join(stage);
+        let model_out = format!("model_out={}", dir.display());
+        let reports = run(
+            2,
+            &[
+                "opt=adamw",
+                "steps=2",
+                "batch=4",
+                "n=16",
+                "lr=0.001",
+                "precision=bf16",
+                &format!("sharding={stage}"),
+                &model_out,
+            ],
+            &format!("save-model-{stage}"),
+        );
+        let saved = candle_core::safetensors::load(
+            dir.join("model.safetensors"),
+            &candle_core::Device::Cpu,
+        )
+        .unwrap();
+        let weights = params(&reports[0]);
+        let mut finer = 0;
+        for (name, t) in saved {
+            assert_eq!(t.dtype(), candle_core::DType::F32, "`{name}`");
+            let master = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let rounded = t.to_dtype(candle_core::DType::BF16).unwrap();
+            let rounded = rounded.to_dtype(candle_core::DType::F32).unwrap();
+            // The model's bf16 weights are the saved masters rounded.
+            assert_eq!(
+                rounded.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                weights[&name],
+                "{stage}: `{name}`"
+            );
+            finer += master
+                .iter()
+                .zip(&weights[&name])
+                .filter(|(a, b)| a != b)
+                .count();
+        }
+        assert!(
+            finer > 0,
+            "{stage}: every saved value is a bf16 one (the rounded weights)"
+        );
+    }
+}
+
+#[test]
 fn each_rank_holds_only_its_slice_of_the_masters_and_optimizer_state() {
     let held = |stage: &str, n: usize| -> Vec<Value> {
         run(

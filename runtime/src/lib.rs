@@ -47,6 +47,7 @@ pub mod logging;
 pub mod memory;
 pub mod metrics;
 mod model_dtype;
+mod model_files;
 pub mod optim;
 mod precision;
 pub mod prepare;

@@ -17,7 +17,6 @@
 use crate::accelerator::Accelerator;
 use crate::checkpoint::fsio::parent_of;
 use crate::checkpoint::layout::{run_name, Layout};
-use crate::checkpoint::model::{load_checkpoint_in_model, save_model, LoadReport, ShardSize};
 use crate::checkpoint::newest::Newest;
 use crate::checkpoint::project::{rotate, ProjectConfiguration};
 use crate::checkpoint::store::{self, Component, ManifestMeta, RankState};
@@ -25,7 +24,6 @@ use crate::checkpoint::FolderLock;
 use crate::config::Sharding;
 use crate::error::{Error, Result};
 use crate::stateful::{Shared, StateDict, Stateful};
-use candle_core::Tensor;
 use serde_json::json;
 use std::path::{Path, PathBuf};
 
@@ -116,10 +114,20 @@ impl Accelerator {
                         .zip(m.master.iter().map(|v| v.as_tensor().clone()))
                         .collect(),
                 };
+                // A slice's runs are flat: the shapes say how to put each variable back.
+                let shapes: serde_json::Map<String, serde_json::Value> = m
+                    .names
+                    .iter()
+                    .zip(&m.compute)
+                    .map(|(n, v)| (n.clone(), json!(v.dims())))
+                    .collect();
                 components.push(Component {
                     name: format!("model_{i}"),
                     tensors,
-                    json: json!(null),
+                    json: match m.shard {
+                        Some(_) => json!({ "shapes": shapes }),
+                        None => json!(null),
+                    },
                 });
             }
             for (i, o) in self.optimizers.iter().enumerate() {
@@ -464,41 +472,5 @@ impl Accelerator {
                 ),
             }),
         }
-    }
-
-    /// Waits for every process, then the main process writes the models' f32 weights as
-    /// `model.safetensors`, or as shards of at most `max_shard_size` ("500MB", "1GB", bytes)
-    /// with an index json: the Hugging Face layout.
-    pub fn save_model(&self, dir: &Path, max_shard_size: Option<&str>) -> Result<()> {
-        let shard = max_shard_size.map(ShardSize::parse).transpose()?;
-        self.wait_for_everyone()?;
-        let written = if self.is_main_process() {
-            let tensors: Vec<(String, Tensor)> = self
-                .named_master_vars()
-                .into_iter()
-                .map(|(n, v)| (n, v.as_tensor().clone()))
-                .collect();
-            save_model(&tensors, dir, shard).map(|_| ())
-        } else {
-            Ok(())
-        };
-        self.agree("saving the model", written)
-    }
-
-    /// Loads a model file or folder (single or sharded) into the prepared models' weights on
-    /// every rank, refreshing their low-precision copies.
-    pub fn load_model(&self, path: &Path) -> Result<LoadReport> {
-        let vars = self.named_master_vars();
-        let report = load_checkpoint_in_model(&vars, path, self.device())?;
-        for m in &self.models {
-            for (c, master) in m.compute.iter().zip(&m.master) {
-                crate::precision::refresh_copy(c, master)?;
-            }
-            // Sharded: the weights were loaded whole; this process's masters follow them.
-            if let Some(shard) = &m.shard {
-                shard.reslice(&m.compute)?;
-            }
-        }
-        Ok(report)
     }
 }

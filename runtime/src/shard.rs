@@ -140,8 +140,9 @@ impl Sharded {
         Ok(())
     }
 
-    /// Writes every process's updated slice into the model's weights.
-    pub(crate) fn gather_into(&self, comm: &dyn Communicator, compute: &[Var]) -> Result<()> {
+    /// Every parameter's whole f32 master, put together from every process's slice (a
+    /// collective: every process calls it).
+    pub(crate) fn gathered(&self, comm: &dyn Communicator, compute: &[Var]) -> Result<Vec<Tensor>> {
         let mut mine = Vec::with_capacity(self.plan.counts[comm.rank()] * 4);
         for m in &self.masters {
             for x in m.as_tensor().to_vec1::<f32>()? {
@@ -151,13 +152,23 @@ impl Sharded {
         let total: usize = self.plan.counts.iter().sum();
         let mut whole = vec![0u8; total * 4];
         comm.all_gather_into(&mine, &mut whole, &self.plan.counts, 4)?;
-        for (i, var) in compute.iter().enumerate() {
-            let at = self.plan.offsets[i] * 4;
-            let values: Vec<f32> = whole[at..at + self.plan.sizes[i] * 4]
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect();
-            let t = Tensor::from_vec(values, var.shape(), var.device())?;
+        compute
+            .iter()
+            .enumerate()
+            .map(|(i, var)| {
+                let at = self.plan.offsets[i] * 4;
+                let values: Vec<f32> = whole[at..at + self.plan.sizes[i] * 4]
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .collect();
+                Ok(Tensor::from_vec(values, var.shape(), var.device())?)
+            })
+            .collect()
+    }
+
+    /// Writes every process's updated slice into the model's weights.
+    pub(crate) fn gather_into(&self, comm: &dyn Communicator, compute: &[Var]) -> Result<()> {
+        for (var, t) in compute.iter().zip(self.gathered(comm, compute)?) {
             var.set(&t.to_dtype(var.dtype())?)?;
         }
         Ok(())

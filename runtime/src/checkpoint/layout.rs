@@ -172,6 +172,16 @@ impl Runs {
         self.runs.keys().cloned().collect()
     }
 
+    /// The shape `key` was saved with, when it was saved whole.
+    pub fn whole_shape(&self, key: &str) -> Option<Vec<usize>> {
+        self.runs.get(key)?.iter().find_map(|(_, _, s)| s.clone())
+    }
+
+    /// The dtype of `key`'s first run.
+    pub fn dtype(&self, key: &str) -> Option<DType> {
+        Some(self.runs.get(key)?.first()?.1.dtype())
+    }
+
     /// Takes elements `from..from + len` of `key` (a variable of shape and dtype `whole`) as
     /// one flat tensor, out of the runs that hold them, or says what does not fit: a whole
     /// variable saved with another shape or dtype, a run past the variable's end, elements no

@@ -11,6 +11,9 @@
 //!   crashed saves leave behind.
 //! - [`background`]: asynchronous saves: the state copied into host memory, written by a
 //!   background thread, committed at the next wait point.
+//! - [`layout`]: how model and optimizer state spreads over the rank folders (whole on rank 0,
+//!   or each rank's slice under sharding), so a checkpoint resumes on any number of processes;
+//!   [`merge_weights`] turns any layout into a Hugging Face model folder.
 //!
 //! These are plain functions over tensors, JSON and paths; the [`Accelerator`](crate::Accelerator)
 //! gathers the state and puts barriers between the steps.
@@ -26,6 +29,7 @@ pub mod layout;
 mod load_tests;
 pub mod lock;
 mod manifest;
+mod merge;
 pub mod model;
 pub(crate) mod newest;
 pub mod project;
@@ -37,6 +41,7 @@ pub mod store;
 mod swap;
 
 pub use lock::FolderLock;
+pub use merge::{merge_weights, MergeOptions, Merged};
 pub use model::{
     load_checkpoint_in_model, load_checkpoint_in_varmap, read_safetensors_metadata, save_model,
     LoadReport, ShardSize,

@@ -77,12 +77,16 @@ impl Accelerator {
         let mut models = Vec::with_capacity(self.models.len());
         for i in 0..self.models.len() {
             let name = format!("model_{i}");
-            let mut runs = Runs::default();
+            let (mut runs, mut shapes) = (Runs::default(), Value::Null);
             for s in states.iter_mut() {
                 if let Some(c) = s.components.iter_mut().find(|c| c.name == name) {
                     runs.add(&files(&name), std::mem::take(&mut c.tensors))?;
+                    if shapes.is_null() {
+                        shapes = c.json["shapes"].clone();
+                    }
                 }
             }
+            self.check_shapes(&files(&name), i, &shapes)?;
             models.push(self.assemble_model(&files(&name), i, runs, layout)?);
         }
         let mut optimizers = Vec::with_capacity(self.optimizers.len());
@@ -99,6 +103,33 @@ impl Accelerator {
             optimizers.push(self.assemble_optimizer(&files(&name), runs, json)?);
         }
         Ok(Assembled { models, optimizers })
+    }
+
+    /// Refuses a sharded checkpoint whose recorded variable shapes differ from model `i`'s.
+    fn check_shapes(&self, file: &Path, i: usize, shapes: &Value) -> Result<()> {
+        let m = &self.models[i];
+        for (name, v) in m.names.iter().zip(&m.compute) {
+            let Some(saved) = shapes.get(name) else {
+                continue;
+            };
+            let saved: Vec<usize> = serde_json::from_value(saved.clone()).map_err(|e| {
+                bad(
+                    file,
+                    format!("records a shape for `{name}` that cannot be read ({e})"),
+                )
+            })?;
+            if saved != v.dims() {
+                return Err(bad(
+                    file,
+                    format!(
+                        "has `{name}` with shape {saved:?} but the model's is {:?}; was it saved \
+                         by this model?",
+                        v.dims()
+                    ),
+                ));
+            }
+        }
+        Ok(())
     }
 
     fn assemble_model(

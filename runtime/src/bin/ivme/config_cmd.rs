@@ -276,6 +276,15 @@ pub fn questionnaire(p: &mut dyn Prompter) -> Result<Config> {
         &|a| whole(a, 1, usize::MAX).map(|_| ()),
     )?;
     c.gradient_accumulation_steps = k.parse().ok();
+    if c.num_processes.unwrap_or(1) > 1 {
+        let stages = ["no", "optimizer", "gradients"];
+        let i = p.select(
+            "Shard across the processes (ZeRO: optimizer = stage 1, gradients = stage 2)?",
+            &stages,
+            0,
+        )?;
+        c.sharding = Some(stages[i].parse()?);
+    }
     if BACKENDS.len() > 1 {
         let i = p.select("Backend?", BACKENDS, 0)?;
         c.backend = Some(BACKENDS[i].to_string());
@@ -300,8 +309,9 @@ mod tests {
 
     #[test]
     fn one_machine_answers_make_a_config() {
-        let (c, _) = run("1\n4\nno\nbf16\n2\n");
+        let (c, _) = run("1\n4\nno\nbf16\n2\ngradients\n");
         let c = c.unwrap();
+        assert_eq!(c.sharding, Some(ivme::Sharding::Gradients));
         assert_eq!(c.num_machines, Some(1));
         assert_eq!(c.num_processes, Some(4));
         assert_eq!(c.cpu, Some(false));
@@ -312,7 +322,7 @@ mod tests {
 
     #[test]
     fn several_machines_by_address() {
-        let (c, _) = run("several\n\n2\n1\n10.0.0.1\n\n10.0.0.2\n3\n4\nyes\n\n\n");
+        let (c, _) = run("several\n\n2\n1\n10.0.0.1\n\n10.0.0.2\n3\n4\nyes\n\n\n\n");
         let c = c.unwrap();
         assert_eq!(
             c.hosts,

@@ -12,6 +12,7 @@ mod hosts;
 mod invocation;
 mod launch;
 mod machines;
+mod merge_cmd;
 mod mpirun;
 mod plan;
 mod process;
@@ -47,6 +48,10 @@ const COMMANDS: &[(&str, &str)] = &[
         expand::COMMAND,
         "print what #[accelerate] writes for a source file's functions, without compiling",
     ),
+    (
+        merge_cmd::COMMAND,
+        "write a training checkpoint's weights (any layout) as a Hugging Face model folder",
+    ),
 ];
 
 fn usage() -> String {
@@ -74,6 +79,7 @@ fn run(argv: &[String]) -> Result<i32> {
         config_cmd::COMMAND => config_cmd::main(rest),
         env_cmd::COMMAND => env_cmd::main(rest),
         expand::COMMAND => expand::main(rest),
+        merge_cmd::COMMAND => merge_cmd::main(rest),
         selftest::COMMAND => selftest::main(rest),
         selftest::RANK_COMMAND => selftest::rank_main(rest),
         "-h" | "--help" | "help" => {

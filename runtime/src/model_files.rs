@@ -1,0 +1,51 @@
+//! The Accelerator's side of Hugging Face model files: the prepared models' weights saved as
+//! `model.safetensors` (or shards with an index json) and loaded back on every rank.
+
+use crate::accelerator::Accelerator;
+use crate::checkpoint::model::{load_checkpoint_in_model, save_model, LoadReport, ShardSize};
+use crate::error::Result;
+use candle_core::Tensor;
+use std::path::Path;
+
+impl Accelerator {
+    /// Waits for every process, then the main process writes the models' f32 weights as
+    /// `model.safetensors`, or as shards of at most `max_shard_size` ("500MB", "1GB", bytes)
+    /// with an index json: the Hugging Face layout.
+    pub fn save_model(&self, dir: &Path, max_shard_size: Option<&str>) -> Result<()> {
+        let shard = max_shard_size.map(ShardSize::parse).transpose()?;
+        self.wait_for_everyone()?;
+        // Under sharding the f32 masters are put together from every process's slice (the
+        // model's weights may be rounded to the compute dtype).
+        let mut tensors: Vec<(String, Tensor)> = Vec::new();
+        for m in &self.models {
+            let values = match &m.shard {
+                Some(s) => s.gathered(&self.comm, &m.compute)?,
+                None => m.master.iter().map(|v| v.as_tensor().clone()).collect(),
+            };
+            tensors.extend(m.names.iter().cloned().zip(values));
+        }
+        let written = if self.is_main_process() {
+            save_model(&tensors, dir, shard).map(|_| ())
+        } else {
+            Ok(())
+        };
+        self.agree("saving the model", written)
+    }
+
+    /// Loads a model file or folder (single or sharded) into the prepared models' weights on
+    /// every rank, refreshing their low-precision copies.
+    pub fn load_model(&self, path: &Path) -> Result<LoadReport> {
+        let vars = self.named_master_vars();
+        let report = load_checkpoint_in_model(&vars, path, self.device())?;
+        for m in &self.models {
+            for (c, master) in m.compute.iter().zip(&m.master) {
+                crate::precision::refresh_copy(c, master)?;
+            }
+            // Sharded: the weights were loaded whole; this process's masters follow them.
+            if let Some(shard) = &m.shard {
+                shard.reslice(&m.compute)?;
+            }
+        }
+        Ok(report)
+    }
+}
