@@ -3,7 +3,7 @@
 //! rates) to `out/rank{R}.json` so a test can compare it with plain candle.
 //!
 //! Arguments are `key=value`: `opt=sgd|adamw steps=K batch=B n=N accum=A precision=no|fp16|bf16
-//! lr=F momentum=F clip_norm=F clip_value=F sharding=no|optimizer|gradients shuffle=0|1 sched=none|step|warmup dropout=P project=DIR save_at=K resume=1 resave=DIR model_out=DIR break=rng|loader|scheduler|optimizer loss_scale=F init_scale=F inject_inf_at=I out=DIR`.
+//! lr=F momentum=F clip_norm=F clip_value=F sharding=no|optimizer|gradients shuffle=0|1 sched=none|step|warmup dropout=P project=DIR save_at=K resume=1 resave=DIR model_out=DIR async=0|1 break=rng|loader|scheduler|optimizer loss_scale=F init_scale=F inject_inf_at=I out=DIR`.
 //! `steps` counts micro-steps in all (a resumed run trains only the rest; none when the loaded
 //! state is already there); `resave` saves the state again right after the load; `model_out`
 //! saves the model (`save_model`) at the end.
@@ -135,6 +135,9 @@ fn main() -> ivme::Result<()> {
     }
     if let Some(v) = args.0.get("init_scale").and_then(|v| v.parse().ok()) {
         builder = builder.initial_loss_scale(v);
+    }
+    if args.get("async", 0u8) == 1 {
+        builder = builder.async_checkpoints(true);
     }
     let mut acc = builder.build()?;
     let dev = acc.device().clone();
@@ -274,6 +277,8 @@ fn main() -> ivme::Result<()> {
             };
             if done == save_at {
                 acc.save_state(None)?;
+                // An asynchronous save is committed here.
+                acc.wait_for_checkpoint()?;
                 return Ok(());
             }
             if done as usize >= steps {

@@ -121,7 +121,13 @@ fn training_resumed_on_one_or_three_processes_continues_over_the_unused_samples(
         ),
     ];
     for (saved_as, resumes) in cases {
-        let saved = save_on_two(saved_as, &root.0, &[]);
+        // The stage-2 save is asynchronous: each rank's slice is written in the background.
+        let extra: &[&str] = if saved_as == "gradients" {
+            &["async=1"]
+        } else {
+            &[]
+        };
+        let saved = save_on_two(saved_as, &root.0, extra);
         for &(n, b, stage) in resumes {
             let what = format!("saved on 2 × 3 ({saved_as}), resumed on {n} × {b} ({stage})");
             let project = root.0.join(format!("r-{saved_as}-{n}-{b}-{stage}"));
