@@ -493,3 +493,23 @@ mod multi_machine {
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
+
+/// The launcher contract's variables are read by the library as the launcher writes them: an
+/// on/off value it cannot read is an error naming it (not a silent "off"), and a deadline may
+/// carry a unit, as `--collective_timeout` does.
+#[test]
+fn a_program_reads_the_contract_variables_as_the_launcher_writes_them() {
+    let whoami = common::example_bin("whoami");
+    let run = |vars: &[(&str, &str)]| {
+        std::process::Command::new(&whoami)
+            .envs(vars.iter().copied())
+            .output()
+            .unwrap()
+    };
+    let e = common::refused(&run(&[("IVME_CPU", "maybe")]));
+    assert!(e.contains("IVME_CPU") && e.contains("1 or 0"), "{e}");
+    common::ok(&run(&[("IVME_CPU", "yes")]));
+    common::ok(&run(&[("IVME_CPU", "1"), ("IVME_COLLECTIVE_TIMEOUT", "10m")]));
+    let e = common::refused(&run(&[("IVME_COLLECTIVE_TIMEOUT", "soon")]));
+    assert!(e.contains("IVME_COLLECTIVE_TIMEOUT") && e.contains("10m"), "{e}");
+}

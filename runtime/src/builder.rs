@@ -3,7 +3,8 @@
 
 use crate::accelerator::Accelerator;
 use crate::comm::{self, CommOptions, Counted};
-use crate::config::{resolve, Precision, Resolved};
+use crate::config::{resolve, resolve_with, Precision};
+use crate::env;
 use crate::error::{Error, Result};
 use crate::grads::GradientState;
 use crate::rng::{mix, Rng};
@@ -129,27 +130,19 @@ impl AcceleratorBuilder {
     pub fn build(self) -> Result<Accelerator> {
         let mut warnings = Vec::new();
         let mut take = |w: Option<String>| warnings.extend(w);
-        let (grad_accum, w) = resolve("grad_accum", self.grad_accum, "IVME_GRAD_ACCUM", 1usize)?;
+        let (grad_accum, w) = resolve("grad_accum", self.grad_accum, &env::GRAD_ACCUM, 1usize)?;
         take(w);
-        let (precision, w) = resolve("precision", self.precision, "IVME_PRECISION", Precision::No)?;
+        let (precision, w) = resolve("precision", self.precision, &env::PRECISION, Precision::No)?;
         take(w);
         let (sharding, w) = resolve(
             "sharding",
             self.sharding,
-            "IVME_SHARDING",
+            &env::SHARDING,
             crate::config::Sharding::No,
         )?;
         take(w);
-        let (cpu, w) = resolve("cpu", self.cpu, "IVME_CPU", false).or_else(|_| {
-            // Launchers write 0/1 for booleans.
-            let raw = std::env::var("IVME_CPU").unwrap_or_default();
-            Ok::<_, Error>((
-                Resolved {
-                    value: self.cpu.unwrap_or(raw.trim() == "1"),
-                    source: crate::config::Source::Launcher,
-                },
-                None,
-            ))
+        let (cpu, w) = resolve_with("cpu", self.cpu, &env::CPU, false, |s| {
+            env::parse_bool(s).ok_or_else(|| format!("use {}", env::CPU.values))
         })?;
         take(w);
         if grad_accum.value == 0 {
@@ -213,7 +206,9 @@ impl AcceleratorBuilder {
             Some(l) => (l.rank, l.world_size, l.local_rank, l.local_world_size),
             None => (0, 1, 0, 1),
         };
-        let comm = comm::open(world, &comm_options)?;
+        // The device first: the communicator is the one for that device.
+        let device = select_device(local_rank, cpu.value)?;
+        let comm = comm::open(world, &device, &comm_options)?;
         if comm.world_size() != world || comm.rank() != rank {
             return Err(Error::Setup(format!(
                 "the environment says rank {rank} of {world} but {} says rank {} of {}; start \
@@ -223,7 +218,6 @@ impl AcceleratorBuilder {
                 comm.world_size()
             )));
         }
-        let device = select_device(local_rank, cpu.value)?;
         check_precision(precision.value, &device)?;
         crate::model_dtype::set_active(precision.value);
         let state = ProcessState {
@@ -276,9 +270,9 @@ impl AcceleratorBuilder {
     fn comm_options(&self) -> Result<CommOptions> {
         let timeout = match self.collective_timeout {
             Some(t) => t,
-            None => match std::env::var(TIMEOUT_VAR) {
-                Ok(raw) if !raw.trim().is_empty() => parse_seconds(TIMEOUT_VAR, &raw)?,
-                _ => comm::DEFAULT_TIMEOUT,
+            None => match env::COLLECTIVE_TIMEOUT.get() {
+                Some(raw) => parse_timeout(&raw)?,
+                None => comm::DEFAULT_TIMEOUT,
             },
         };
         if timeout.is_zero() {
@@ -290,16 +284,15 @@ impl AcceleratorBuilder {
         }
         let debug_sync = match self.debug_sync {
             Some(on) => on,
-            None => match std::env::var(DEBUG_SYNC_VAR).unwrap_or_default().trim() {
-                "" | "0" | "false" | "off" => false,
-                "1" | "true" | "on" => true,
-                other => {
-                    return Err(Error::config(
-                        DEBUG_SYNC_VAR,
-                        other,
+            None => match env::DEBUG_SYNC.get() {
+                None => false,
+                Some(raw) => env::parse_bool(&raw).ok_or_else(|| {
+                    Error::config(
+                        env::DEBUG_SYNC.name,
+                        &raw,
                         "use 1 to check every collective across ranks, or 0",
-                    ))
-                }
+                    )
+                })?,
             },
         };
         Ok(CommOptions {
@@ -309,19 +302,16 @@ impl AcceleratorBuilder {
     }
 }
 
-/// The launcher's variable for the collective deadline, in seconds.
-const TIMEOUT_VAR: &str = "IVME_COLLECTIVE_TIMEOUT";
-/// The launcher's variable that turns on the cross-rank check of every collective.
-const DEBUG_SYNC_VAR: &str = "IVME_DEBUG_SYNC";
-
-/// Reads a positive number of seconds (`90`, `0.5`).
-fn parse_seconds(key: &str, raw: &str) -> Result<Duration> {
-    raw.trim()
-        .parse::<f64>()
-        .ok()
-        .filter(|s| s.is_finite() && *s > 0.0)
-        .map(Duration::from_secs_f64)
-        .ok_or_else(|| Error::config(key, raw, "use a positive number of seconds, e.g. 600"))
+/// Reads the launcher's collective deadline: seconds, or a number with a unit (`90`, `0.5`,
+/// `10m`), as `ivme launch --collective_timeout` takes it.
+fn parse_timeout(raw: &str) -> Result<Duration> {
+    env::parse_duration(raw).ok_or_else(|| {
+        Error::config(
+            env::COLLECTIVE_TIMEOUT.name,
+            raw,
+            format!("use {}, e.g. 600", env::DURATION_FORMS),
+        )
+    })
 }
 
 /// Refuses a precision the device cannot run, rather than silently training in f32.
@@ -352,15 +342,12 @@ mod tests {
 
     #[test]
     fn collective_timeouts_are_positive_seconds() {
-        assert_eq!(parse_seconds("k", " 90 ").unwrap(), Duration::from_secs(90));
-        assert_eq!(
-            parse_seconds("k", "0.5").unwrap(),
-            Duration::from_millis(500)
-        );
+        assert_eq!(parse_timeout(" 90 ").unwrap(), Duration::from_secs(90));
+        assert_eq!(parse_timeout("0.5").unwrap(), Duration::from_millis(500));
+        // The launcher's forms with a unit are read the same way here.
+        assert_eq!(parse_timeout("10m").unwrap(), Duration::from_secs(600));
         for bad in ["0", "-3", "soon", "inf", "NaN", ""] {
-            let msg = parse_seconds("IVME_COLLECTIVE_TIMEOUT", bad)
-                .unwrap_err()
-                .to_string();
+            let msg = parse_timeout(bad).unwrap_err().to_string();
             assert!(
                 msg.contains("IVME_COLLECTIVE_TIMEOUT")
                     && msg.contains("positive number of seconds"),

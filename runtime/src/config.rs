@@ -150,18 +150,35 @@ pub struct Resolved<T> {
 pub(crate) fn resolve<T>(
     key: &str,
     code: Option<T>,
-    env_var: &str,
+    var: &crate::env::Var,
     default: T,
 ) -> Result<(Resolved<T>, Option<String>)>
 where
     T: FromStr + PartialEq + fmt::Debug + Copy,
     T::Err: fmt::Display,
 {
-    let from_env = match std::env::var(env_var) {
-        Ok(raw) if !raw.trim().is_empty() => Some(raw.trim().parse::<T>().map_err(|e| {
+    resolve_with(key, code, var, default, |s| {
+        s.parse::<T>().map_err(|e| e.to_string())
+    })
+}
+
+/// [`resolve`] with the variable's own parser.
+pub(crate) fn resolve_with<T>(
+    key: &str,
+    code: Option<T>,
+    var: &crate::env::Var,
+    default: T,
+    parse: impl Fn(&str) -> std::result::Result<T, String>,
+) -> Result<(Resolved<T>, Option<String>)>
+where
+    T: PartialEq + fmt::Debug + Copy,
+{
+    let env_var = var.name;
+    let from_env = match var.get() {
+        Some(raw) => Some(parse(&raw).map_err(|e| {
             Error::config(env_var, &raw, format!("`{key}` from the environment: {e}"))
         })?),
-        _ => None,
+        None => None,
     };
     Ok(match (code, from_env) {
         (Some(c), Some(e)) if c != e => (

@@ -40,6 +40,7 @@ pub mod checkpoint;
 pub mod comm;
 pub mod config;
 pub mod data;
+pub mod env;
 pub mod error;
 mod exact_init;
 pub mod grads;

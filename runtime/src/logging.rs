@@ -81,7 +81,7 @@ pub fn init(config: LogConfig) -> Result<bool> {
     // Checked on every rank, so a bad setting fails the whole run alike.
     let wanted = level_filter(
         std::env::var("RUST_LOG").ok(),
-        std::env::var("IVME_LOG_LEVEL").ok(),
+        std::env::var(crate::env::LOG_LEVEL.name).ok(),
         config.default_level.unwrap_or(LevelFilter::INFO),
     )?;
     let filter = if rank == 0 || config.all_ranks {

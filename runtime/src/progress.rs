@@ -65,7 +65,7 @@ pub fn progress<I: Iterator>(iter: I, len: Option<u64>, visible: bool) -> Progre
 }
 
 fn progress_env() -> Option<String> {
-    std::env::var("IVME_PROGRESS").ok()
+    crate::env::PROGRESS.get()
 }
 
 /// Whether to draw: only on a terminal, and not when the user turned bars off.

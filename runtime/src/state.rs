@@ -45,21 +45,7 @@ pub struct EnvLayout {
 }
 
 // Each launcher spells the same facts differently; the first family present wins.
-const FAMILIES: &[[&str; 4]] = &[
-    [
-        "OMPI_COMM_WORLD_RANK",
-        "OMPI_COMM_WORLD_SIZE",
-        "OMPI_COMM_WORLD_LOCAL_RANK",
-        "OMPI_COMM_WORLD_LOCAL_SIZE",
-    ],
-    ["PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"],
-    [
-        "PMIX_RANK",
-        "PMIX_SIZE",
-        "PMIX_LOCAL_RANK",
-        "PMIX_LOCAL_SIZE",
-    ],
-];
+const FAMILIES: &[[&str; 4]] = crate::env::RANK_FAMILIES;
 
 impl EnvLayout {
     /// Reads the layout from the environment; `None` means no launcher started this process.

@@ -293,9 +293,16 @@ impl Default for CommOptions {
     }
 }
 
-/// Opens the communicator for a layout: MPI when a launcher started several processes,
-/// the single-process world otherwise.
-pub fn open(world_size: usize, options: &CommOptions) -> Result<Box<dyn Communicator>> {
+/// Opens the communicator for a layout on the process's (already chosen) device: the
+/// single-process world for one process, MPI for several. A device-aware backend (NCCL for
+/// CUDA devices) is chosen here, from `device`.
+pub fn open(
+    world_size: usize,
+    device: &candle_core::Device,
+    options: &CommOptions,
+) -> Result<Box<dyn Communicator>> {
+    // Every backend built today moves host memory, whatever the device.
+    let _ = device;
     if world_size <= 1 {
         return Ok(Box::new(SingleComm));
     }

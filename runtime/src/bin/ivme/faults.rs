@@ -6,12 +6,9 @@ use crate::args::{self, Flag, Kind, Scanned};
 use ivme::{Error, Result};
 use std::time::Duration;
 
-/// The variable each rank reads to learn how many times the job was restarted (0 at first).
-pub const RESTART_COUNT_VAR: &str = "IVME_RESTART_COUNT";
-/// The variable that carries `--collective_timeout`, in seconds.
-pub const COLLECTIVE_TIMEOUT_VAR: &str = "IVME_COLLECTIVE_TIMEOUT";
-/// The variable that carries `--debug_sync`.
-pub const DEBUG_SYNC_VAR: &str = "IVME_DEBUG_SYNC";
+// The variables that carry these settings to the ranks are in `ivme::env` (the launcher
+// contract), with the duration parser both sides use.
+use ivme::env::{parse_duration, DURATION_FORMS};
 
 /// `--max_restarts`.
 pub const MAX_RESTARTS: Flag = Flag {
@@ -36,44 +33,6 @@ pub const DEBUG_SYNC: Flag = Flag {
     example: "",
 };
 
-const DURATION_FORMS: &str =
-    "a positive number of seconds, or one with a unit: 90, 90s, 10m, 1h, 500ms";
-
-/// Reads a duration: a positive number with an optional unit (`ms`, `s`, `m`, `h`; seconds
-/// without one). `None` when the text is not one.
-pub fn parse_duration(raw: &str) -> Option<Duration> {
-    let text = raw.trim().to_ascii_lowercase();
-    let split = text
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(text.len());
-    let (number, unit) = text.split_at(split);
-    let scale = match unit.trim() {
-        "" | "s" => 1.0,
-        "ms" => 1e-3,
-        "m" => 60.0,
-        "h" => 3600.0,
-        _ => return None,
-    };
-    // Digits and at most one point: no signs, exponents, `inf` or `nan` get this far.
-    if number.is_empty() || number == "." || number.matches('.').count() > 1 {
-        return None;
-    }
-    let seconds = number.parse::<f64>().ok()? * scale;
-    (seconds > 0.0)
-        .then(|| Duration::try_from_secs_f64(seconds).ok())
-        .flatten()
-        .filter(|d| !d.is_zero())
-}
-
-/// Writes a duration as the decimal number of seconds the ranks read: `90`, `0.5`.
-pub fn seconds_text(d: Duration) -> String {
-    if d.subsec_nanos() == 0 {
-        return d.as_secs().to_string();
-    }
-    let fraction = format!("{:09}", d.subsec_nanos());
-    format!("{}.{}", d.as_secs(), fraction.trim_end_matches('0'))
-}
-
 /// Reads `--collective_timeout`, refusing what is not a positive duration.
 pub fn collective_timeout(s: &Scanned) -> Result<Option<Duration>> {
     let Some(raw) = s.value(COLLECTIVE_TIMEOUT.name) else {
@@ -87,9 +46,6 @@ pub fn collective_timeout(s: &Scanned) -> Result<Option<Duration>> {
         ))
     })
 }
-
-/// What [`crate::sources`] says a valid `IVME_COLLECTIVE_TIMEOUT` looks like.
-pub const DURATION_VALID: &str = DURATION_FORMS;
 
 /// Reads `--max_restarts`: a whole number, 0 included (0 turns restarts off).
 pub fn max_restarts(s: &Scanned) -> Result<Option<usize>> {
@@ -124,38 +80,6 @@ pub fn exhausted_line(max: usize, cause: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn durations_take_seconds_or_a_unit() {
-        let secs = |raw: &str| parse_duration(raw).map(seconds_text);
-        assert_eq!(secs("90").as_deref(), Some("90"));
-        assert_eq!(secs("90s").as_deref(), Some("90"));
-        assert_eq!(secs(" 10m ").as_deref(), Some("600"));
-        assert_eq!(secs("1h").as_deref(), Some("3600"));
-        assert_eq!(secs("1.5H").as_deref(), Some("5400"));
-        assert_eq!(secs("500ms").as_deref(), Some("0.5"));
-        assert_eq!(secs("0.25").as_deref(), Some("0.25"));
-        assert_eq!(secs("1ms").as_deref(), Some("0.001"));
-        for bad in [
-            "",
-            "0",
-            "0s",
-            "-5",
-            "+5",
-            "s",
-            ".",
-            "1.2.3",
-            "5x",
-            "5 m s",
-            "1e3",
-            "inf",
-            "nan",
-            "0.0000000001ms",
-            "ten",
-        ] {
-            assert_eq!(parse_duration(bad), None, "{bad:?} was accepted");
-        }
-    }
 
     #[test]
     fn bad_flag_values_say_what_to_write() {

@@ -139,9 +139,9 @@ pub fn describe_settings(plan: &LaunchPlan) -> String {
             "hostfile" | "hosts" => plan.hosts.as_ref().map_or("-".into(), Hosts::spec),
             "backend" => "mpi".into(),
             "max_restarts" => plan.max_restarts.to_string(),
-            "collective_timeout" => plan.collective_timeout.map_or("-".into(), |t| {
-                format!("{}s", crate::faults::seconds_text(t))
-            }),
+            "collective_timeout" => plan
+                .collective_timeout
+                .map_or("-".into(), |t| format!("{}s", ivme::env::seconds_text(t))),
             "debug_sync" => plan.debug_sync.to_string(),
             _ => "?".into(),
         }

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::process::Command;
 
 /// The environment variable that names an `mpirun` to use instead of the one on PATH.
-pub const MPIRUN_VAR: &str = "IVME_MPIRUN";
+pub const MPIRUN_VAR: &str = ivme::env::MPIRUN.name;
 
 /// Which MPI implementation an `mpirun` belongs to; their flags differ.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

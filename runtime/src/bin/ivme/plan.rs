@@ -6,7 +6,7 @@
 //! unset; nothing here starts a process, so all of it is tested without one.
 
 use crate::args::{self, Flag, Kind};
-use crate::faults::{self, COLLECTIVE_TIMEOUT_VAR, DEBUG_SYNC_VAR, RESTART_COUNT_VAR};
+use crate::faults;
 use crate::hosts::Hosts;
 pub use crate::invocation::Invocation;
 use crate::launch::COMMAND;
@@ -15,6 +15,7 @@ use crate::process;
 use crate::rank;
 use crate::sources::{self, Origin};
 use crate::tuning;
+use ivme::env;
 use ivme::{Error, Precision, Result, Sharding};
 use std::path::PathBuf;
 use std::time::Duration;
@@ -358,36 +359,39 @@ impl LaunchPlan {
     ) -> Vec<(String, String)> {
         let user_rayon = inherited.iter().find(|(k, _)| k == RAYON_VAR);
         let mut ours: Vec<(String, String)> = vec![
-            ("IVME_LAUNCHER".into(), "ivme".into()),
-            ("IVME_NUM_PROCESSES".into(), self.num_processes.to_string()),
-            (RESTART_COUNT_VAR.into(), restart.to_string()),
+            (env::LAUNCHER.name.into(), "ivme".into()),
+            (
+                env::NUM_PROCESSES.name.into(),
+                self.num_processes.to_string(),
+            ),
+            (env::RESTART_COUNT.name.into(), restart.to_string()),
         ];
         if self.cpu {
-            ours.push(("IVME_CPU".into(), "1".into()));
+            ours.push((env::CPU.name.into(), "1".into()));
         }
         if let Some(p) = self.precision {
-            ours.push(("IVME_PRECISION".into(), p.as_str().into()));
+            ours.push((env::PRECISION.name.into(), p.as_str().into()));
         }
         if let Some(k) = self.grad_accum {
-            ours.push(("IVME_GRAD_ACCUM".into(), k.to_string()));
+            ours.push((env::GRAD_ACCUM.name.into(), k.to_string()));
         }
         if let Some(s) = self.sharding {
-            ours.push(("IVME_SHARDING".into(), s.as_str().into()));
+            ours.push((env::SHARDING.name.into(), s.as_str().into()));
         }
         if self.num_machines > 1 {
-            ours.push(("IVME_NUM_MACHINES".into(), self.num_machines.to_string()));
+            ours.push((env::NUM_MACHINES.name.into(), self.num_machines.to_string()));
         }
         if let Some(ip) = &self.main_process_ip {
-            ours.push(("IVME_MAIN_PROCESS_IP".into(), ip.clone()));
+            ours.push((env::MAIN_PROCESS_IP.name.into(), ip.clone()));
         }
         if let Some(port) = self.main_process_port {
-            ours.push(("IVME_MAIN_PROCESS_PORT".into(), port.to_string()));
+            ours.push((env::MAIN_PROCESS_PORT.name.into(), port.to_string()));
         }
         if let Some(t) = self.collective_timeout {
-            ours.push((COLLECTIVE_TIMEOUT_VAR.into(), faults::seconds_text(t)));
+            ours.push((env::COLLECTIVE_TIMEOUT.name.into(), env::seconds_text(t)));
         }
         if self.debug_sync {
-            ours.push((DEBUG_SYNC_VAR.into(), "1".into()));
+            ours.push((env::DEBUG_SYNC.name.into(), "1".into()));
         }
         if user_rayon.is_none() {
             let threads = (machine.cores / self.processes_per_machine()).max(1);

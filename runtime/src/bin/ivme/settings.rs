@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 pub const VERSION: i64 = 1;
 
 /// The variable that names a config file, between the `--config_file` flag and the default.
-pub const CONFIG_VAR: &str = "IVME_CONFIG";
+pub const CONFIG_VAR: &str = ivme::env::CONFIG.name;
 
 /// The ways ranks can talk to each other that this build launches.
 pub const BACKENDS: &[&str] = &["mpi"];

@@ -4,6 +4,7 @@
 
 use crate::plan::LaunchArgs;
 use crate::settings::Config;
+use ivme::env;
 use ivme::{Error, Precision, Result, Sharding};
 use std::path::{Path, PathBuf};
 
@@ -71,7 +72,7 @@ impl Show for PathBuf {
 
 impl Show for std::time::Duration {
     fn show(&self) -> String {
-        format!("{}s", crate::faults::seconds_text(*self))
+        format!("{}s", ivme::env::seconds_text(*self))
     }
 }
 
@@ -144,47 +145,34 @@ pub fn merge(
     let path = file.map(|(p, _)| p);
     let precision_env = env_value(
         inherited,
-        "IVME_PRECISION",
+        env::PRECISION.name,
         |s| s.parse::<Precision>().ok(),
         &format!("one of {}", Precision::VALID.join(", ")),
     )?;
     let sharding_env = env_value(
         inherited,
-        "IVME_SHARDING",
+        env::SHARDING.name,
         |s| s.parse::<Sharding>().ok(),
         &format!("one of {}", Sharding::VALID.join(", ")),
     )?;
     let accum_env = env_value(
         inherited,
-        "IVME_GRAD_ACCUM",
+        env::GRAD_ACCUM.name,
         |s| s.parse::<usize>().ok().filter(|&n| n >= 1),
         "a whole number of at least 1",
     )?;
-    let cpu_env = env_value(
-        inherited,
-        "IVME_CPU",
-        |s| match s {
-            "1" | "true" => Some(true),
-            "0" | "false" => Some(false),
-            _ => None,
-        },
-        "1 or 0",
-    )?;
+    let cpu_env = env_value(inherited, env::CPU.name, env::parse_bool, env::CPU.values)?;
     let timeout_env = env_value(
         inherited,
-        crate::faults::COLLECTIVE_TIMEOUT_VAR,
-        crate::faults::parse_duration,
-        crate::faults::DURATION_VALID,
+        env::COLLECTIVE_TIMEOUT.name,
+        env::parse_duration,
+        env::DURATION_FORMS,
     )?;
     let debug_sync_env = env_value(
         inherited,
-        crate::faults::DEBUG_SYNC_VAR,
-        |s| match s {
-            "1" | "true" => Some(true),
-            "0" | "false" => Some(false),
-            _ => None,
-        },
-        "1 or 0",
+        env::DEBUG_SYNC.name,
+        env::parse_bool,
+        env::DEBUG_SYNC.values,
     )?;
     // A hostfile on the command line describes the machines anew, so the file's machine list
     // (and its count) would only contradict it.

@@ -11,7 +11,7 @@ pub const MALLOC_VARS: &[(&str, &str)] = &[
 ];
 
 /// The variable that turns the allocator settings off (`IVME_MALLOC_TUNING=0`).
-pub const MALLOC_TUNING_VAR: &str = "IVME_MALLOC_TUNING";
+pub const MALLOC_TUNING_VAR: &str = ivme::env::MALLOC_TUNING.name;
 
 /// The allocator settings to add: none off Linux, none when turned off, and never one the
 /// user already set (theirs is passed on as it is).
