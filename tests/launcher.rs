@@ -509,7 +509,13 @@ fn a_program_reads_the_contract_variables_as_the_launcher_writes_them() {
     let e = common::refused(&run(&[("IVME_CPU", "maybe")]));
     assert!(e.contains("IVME_CPU") && e.contains("1 or 0"), "{e}");
     common::ok(&run(&[("IVME_CPU", "yes")]));
-    common::ok(&run(&[("IVME_CPU", "1"), ("IVME_COLLECTIVE_TIMEOUT", "10m")]));
+    common::ok(&run(&[
+        ("IVME_CPU", "1"),
+        ("IVME_COLLECTIVE_TIMEOUT", "10m"),
+    ]));
     let e = common::refused(&run(&[("IVME_COLLECTIVE_TIMEOUT", "soon")]));
-    assert!(e.contains("IVME_COLLECTIVE_TIMEOUT") && e.contains("10m"), "{e}");
+    assert!(
+        e.contains("IVME_COLLECTIVE_TIMEOUT") && e.contains("10m"),
+        "{e}"
+    );
 }

@@ -37,7 +37,7 @@ pub struct Accelerator {
     pub(crate) seed: u64,
     pub(crate) bucket_bytes: usize,
     pub(crate) models: Vec<ParamSet>,
-    pub(crate) optimizers: Vec<Box<dyn Stateful>>,
+    pub(crate) optimizers: Vec<Box<dyn crate::optim::accelerated::PreparedSlot>>,
     pub(crate) rng: Shared<Rng>,
     pub(crate) loaders: Vec<Shared<crate::data::LoaderPosition>>,
     pub(crate) registered: Vec<Box<dyn Stateful>>,

@@ -355,11 +355,7 @@ impl Accelerator {
     }
 
     fn optimizer_steps(&self) -> u64 {
-        self.optimizers
-            .first()
-            .and_then(|o| o.state_dict().ok())
-            .and_then(|s| s.json.get("step").and_then(|v| v.as_u64()))
-            .unwrap_or(0)
+        self.optimizers.first().map_or(0, |o| o.steps())
     }
 
     /// Restores the state saved by [`save_state`](Self::save_state) from `dir`, or (with

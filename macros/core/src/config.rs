@@ -1,6 +1,7 @@
 //! The attribute's keys, parsed into typed values that keep their spans and validated in one
 //! pass, so a user sees every mistake in the attribute at once.
 
+use crate::edit_distance;
 use crate::errors::Errors;
 use crate::values::{
     boolean, grad_accum, positive_float, precision, project_dir, seconds, seed, total_limit,
@@ -38,8 +39,12 @@ const ALIASES: &[(&str, &str)] = &[
     ("sharding", "zero"),
 ];
 
-/// The precisions `precision = ".."` accepts.
-pub(crate) const PRECISIONS: &[&str] = &["no", "fp16", "bf16"];
+/// The precisions `precision = ".."` accepts: the canonical spellings, which `ivme::Precision`
+/// reads and writes too (`Precision::VALID` is this list).
+pub const PRECISIONS: &[&str] = &["no", "fp16", "bf16"];
+
+/// The `ivme::Precision` variant of each of [`PRECISIONS`], in the same order.
+const PRECISION_VARIANTS: &[&str] = &["No", "Fp16", "Bf16"];
 
 /// One value from the attribute with the spans errors and generated code point at.
 #[derive(Debug, Clone)]
@@ -87,14 +92,8 @@ impl Config {
             calls.extend(quote_spanned!(s.span=> .grad_accum(#v)));
         }
         if let Some(s) = &self.precision {
-            let variant = syn::Ident::new(
-                match s.value {
-                    "fp16" => "Fp16",
-                    "bf16" => "Bf16",
-                    _ => "No",
-                },
-                s.span,
-            );
+            let at = PRECISIONS.iter().position(|p| *p == s.value).unwrap_or(0);
+            let variant = syn::Ident::new(PRECISION_VARIANTS[at], s.span);
             calls.extend(quote_spanned!(s.span=> .precision(::ivme::Precision::#variant)));
         }
         if let Some(s) = &self.clip_grad_norm {
@@ -294,21 +293,6 @@ pub(crate) fn closest(word: &str, candidates: &[&'static str]) -> Option<&'stati
         .map(|(_, c)| c)
 }
 
-/// Levenshtein distance over chars.
-fn edit_distance(a: &str, b: &str) -> usize {
-    let b: Vec<char> = b.chars().collect();
-    let mut prev: Vec<usize> = (0..=b.len()).collect();
-    for (i, ca) in a.chars().enumerate() {
-        let mut cur = vec![i + 1; b.len() + 1];
-        for (j, cb) in b.iter().enumerate() {
-            let substitute = prev[j] + usize::from(ca != *cb);
-            cur[j + 1] = substitute.min(prev[j + 1] + 1).min(cur[j] + 1);
-        }
-        prev = cur;
-    }
-    prev[b.len()]
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -318,14 +302,6 @@ mod tests {
             Ok(_) => vec![],
             Err(e) => e.into_iter().map(|e| e.to_string()).collect(),
         }
-    }
-
-    #[test]
-    fn edit_distance_counts_single_edits() {
-        assert_eq!(edit_distance("grad_acum", "grad_accum"), 1);
-        assert_eq!(edit_distance("seeed", "seed"), 1);
-        assert_eq!(edit_distance("", "cpu"), 3);
-        assert_eq!(edit_distance("kitten", "sitting"), 3);
     }
 
     #[test]

@@ -3,10 +3,28 @@
 //! which prints what the attribute writes without compiling anything.
 
 mod config;
+pub use config::PRECISIONS;
 mod errors;
 mod rewrite;
 mod signature;
 mod values;
+
+/// The Levenshtein distance between two words, in chars: how many single-character insertions,
+/// deletions or substitutions turn one into the other. The attribute and the `ivme` command use
+/// it to suggest the key, value or subcommand a typo meant.
+pub fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut prev: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut cur = vec![i + 1; b.len() + 1];
+        for (j, cb) in b.iter().enumerate() {
+            let substitute = prev[j] + usize::from(ca != *cb);
+            cur[j + 1] = substitute.min(prev[j + 1] + 1).min(cur[j] + 1);
+        }
+        prev = cur;
+    }
+    prev[b.len()]
+}
 
 #[cfg(test)]
 mod snapshots;
@@ -128,4 +146,18 @@ fn not_a_function(item: &TokenStream) -> syn::Error {
              `fn train(..) -> candle_core::Result<()> {{ .. }}`, not on {kind}"
         ),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::edit_distance;
+
+    #[test]
+    fn edit_distance_counts_single_edits() {
+        assert_eq!(edit_distance("grad_acum", "grad_accum"), 1);
+        assert_eq!(edit_distance("seeed", "seed"), 1);
+        assert_eq!(edit_distance("", "cpu"), 3);
+        assert_eq!(edit_distance("kitten", "sitting"), 3);
+        assert_eq!(edit_distance("same", "same"), 0);
+    }
 }

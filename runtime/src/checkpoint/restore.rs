@@ -32,7 +32,7 @@ use crate::error::{Error, Result};
 use crate::macro_support::LoopPosition;
 use crate::rng::RngState;
 use crate::scaler::LossScaler;
-use crate::stateful::StateDict;
+use crate::stateful::{StateDict, Stateful};
 
 /// Everything a load will apply, already read, parsed and checked.
 pub(crate) struct Plan {
@@ -430,10 +430,10 @@ impl Accelerator {
             } else {
                 (false, k - custom.len())
             };
-            let target = if is_custom {
-                &mut self.registered[i]
+            let target: &mut dyn Stateful = if is_custom {
+                &mut *self.registered[i]
             } else {
-                &mut self.optimizers[i]
+                &mut *self.optimizers[i]
             };
             let before = if k + 1 < total {
                 // ivme's optimizers hand out copies already; other objects may hand out views.

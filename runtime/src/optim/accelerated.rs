@@ -106,6 +106,19 @@ pub(crate) struct OptimizerSlot<O> {
     pub(crate) names: Vec<String>,
 }
 
+/// A prepared optimizer as the Accelerator keeps it: its state for checkpoints, and how many
+/// real steps it has taken (read without copying its state).
+pub(crate) trait PreparedSlot: Stateful {
+    /// Real optimizer steps taken so far.
+    fn steps(&self) -> u64;
+}
+
+impl<O: StatefulOptimizer + Send> PreparedSlot for OptimizerSlot<O> {
+    fn steps(&self) -> u64 {
+        self.opt.lock().link().steps()
+    }
+}
+
 impl<O: StatefulOptimizer + Send> Stateful for OptimizerSlot<O> {
     fn state_dict(&self) -> Result<StateDict> {
         let state = self.opt.lock().state_dict()?;

@@ -5,6 +5,7 @@
 //! `--num_processes`, `--num-processes` and `--num_processes=2` are the same flag.
 
 use ivme::{Error, Result};
+use ivme_macros_core::edit_distance;
 
 /// Whether a flag stands alone or takes a value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -177,23 +178,6 @@ pub fn closest<'a>(word: &str, candidates: impl Iterator<Item = &'a str>) -> Opt
         .map(|(_, c)| c)
 }
 
-fn edit_distance(a: &str, b: &str) -> usize {
-    let b: Vec<char> = b.chars().collect();
-    let mut row: Vec<usize> = (0..=b.len()).collect();
-    for (i, ca) in a.chars().enumerate() {
-        let mut diag = row[0];
-        row[0] = i + 1;
-        for (j, cb) in b.iter().enumerate() {
-            let next = (diag + usize::from(ca != *cb))
-                .min(row[j] + 1)
-                .min(row[j + 1] + 1);
-            diag = row[j + 1];
-            row[j + 1] = next;
-        }
-    }
-    row[b.len()]
-}
-
 /// Formats the flag table for `--help`.
 pub fn help_table(specs: &[Flag]) -> String {
     let lines: Vec<(String, &str)> = specs
@@ -308,12 +292,5 @@ mod tests {
         assert!(msg.contains("not a whole number"), "{msg}");
         let s = scan("launch", SPECS, &args(&["--cpu=maybe"])).unwrap();
         assert!(switch(&s, "cpu").is_err());
-    }
-
-    #[test]
-    fn edit_distance_counts_single_edits() {
-        assert_eq!(edit_distance("kitten", "sitting"), 3);
-        assert_eq!(edit_distance("", "abc"), 3);
-        assert_eq!(edit_distance("same", "same"), 0);
     }
 }
