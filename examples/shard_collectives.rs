@@ -37,7 +37,7 @@ fn main() -> ivme::Result<()> {
     let send: Vec<f32> = (0..total).map(|i| ((rank + 1) * i) as f32).collect();
     let tri = (world * (world + 1) / 2) as f32;
     let mut mine = vec![0f32; counts[rank]];
-    comm.reduce_scatter_sum_into(&send, &mut mine, &counts)?;
+    comm.reduce_scatter_sum_into(&send, &mut mine, &counts, 0)?;
     check("reduce_scatter", &mine, |i| (start + i) as f32 * tri)?;
 
     // Gathering every rank's shard of the sum gives the whole sum back.
@@ -70,7 +70,7 @@ fn main() -> ivme::Result<()> {
     }
 
     // A layout that does not add up is an error, not a corrupt transfer.
-    let bad = comm.reduce_scatter_sum_into(&send[1..], &mut mine, &counts);
+    let bad = comm.reduce_scatter_sum_into(&send[1..], &mut mine, &counts, 0);
     if bad.is_ok() {
         return Err(ivme::Error::Comm("a wrong layout was accepted".into()));
     }

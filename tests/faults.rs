@@ -52,6 +52,11 @@ fn kill_all(pids: &[u32]) {
 /// Runs `faults ARGS` on `n` ranks; kills everything it started if the job hangs, and fails
 /// the test if any process of the job is still there shortly after the launcher ended.
 fn run(n: usize, args: &[&str]) -> Ended {
+    run_with(n, &[], args)
+}
+
+/// [`run`] with extra `ivme launch` flags before the program.
+fn run_with(n: usize, launch: &[&str], args: &[&str]) -> Ended {
     // One job at a time: the cases measure how a job ends, which a machine crowded with the
     // other cases' ranks would blur (a 2 s collective deadline, the 3 s grace a rank gives the
     // peer that failed first).
@@ -66,6 +71,7 @@ fn run(n: usize, args: &[&str]) -> Ended {
     let start = Instant::now();
     let mut child = Command::new(ivme_bin())
         .args(["launch", "--num_processes", &n.to_string(), "--cpu"])
+        .args(launch)
         .arg(example_bin("faults"))
         .args(args)
         .arg(&tag)
@@ -279,6 +285,31 @@ fn ranks_that_drift_apart_fail_instead_of_mixing_steps() {
             );
             assert!(!e.output.contains(" done"), "{what}\n{}", e.output);
         }
+    }
+}
+
+#[test]
+fn sharded_ranks_that_drift_apart_fail_at_the_next_reduce_scatter() {
+    for (n, rank) in [(2, 1), (3, 0)] {
+        let what = format!("skip on rank {rank} of {n}, sharded");
+        let e = run_with(
+            n,
+            &["--sharding", "gradients"],
+            &["mode=skip", &format!("rank={rank}")],
+        );
+        failed_promptly(&e, &what);
+        assert!(
+            e.output
+                .contains("the collectives do not line up across ranks"),
+            "{what}: the next reduce-scatter must notice at once\n{}",
+            e.output
+        );
+        assert!(
+            e.output.contains("reduce_scatter") && e.output.contains("after batch 4 of the epoch"),
+            "{what}: must say where the odd rank's data stands\n{}",
+            e.output
+        );
+        assert!(!e.output.contains(" done"), "{what}\n{}", e.output);
     }
 }
 

@@ -235,7 +235,27 @@ impl Accelerator {
         let MicroStep { window, sync } = self.grad_state.for_backward();
         let scale = self.scaler.as_ref().map_or(1.0, |s| s.scale);
         // Each micro-batch counts 1/window of its window's mean; the scale is undone after sync.
-        let factor = scale / window as f64;
+        let store = self.scaled_backward(loss, scale / window as f64)?;
+        if sync && self.passes_through() {
+            return self.end_in_place(store);
+        }
+        let touched = self.accumulate(&store)?;
+        drop(store);
+        if !sync {
+            return Ok(Gradients::accumulating());
+        }
+        let grads = self.end_window(&touched, 1.0 / scale)?;
+        self.loss_guard
+            .at_sync(self.precision, grads.found_overflow())?;
+        if let Some(s) = &mut self.scaler {
+            s.update(grads.found_overflow());
+        }
+        Ok(grads)
+    }
+
+    /// Runs candle's backward on `loss` in f32, multiplied by `factor` (the fp16 scale over
+    /// the window's size), after the loss guard has seen it.
+    fn scaled_backward(&mut self, loss: &Tensor, factor: f64) -> Result<GradStore> {
         let loss = if loss.dtype() == DType::F32 {
             loss.clone()
         } else {
@@ -247,81 +267,16 @@ impl Accelerator {
         } else {
             (loss * factor)?
         };
-        let store = loss.backward()?;
-
-        if sync && self.state.world_size == 1 && self.scaler.is_none() && self.is_plain_fast_path()
-        {
-            // One f32 process with nothing accumulated: candle's own store is already final.
-            let mut grads = Gradients::synced(store, false);
-            self.clip(&mut grads)?;
-            return Ok(grads);
-        }
-
-        let mut touched = Vec::with_capacity(self.models.len());
-        for m in &mut self.models {
-            touched.push(m.accumulate(&store)?);
-        }
-        drop(store);
-        if !sync {
-            return Ok(Gradients::accumulating());
-        }
-        let inv_scale = 1.0 / scale;
-        let position = self.grad_state.position();
-        if self.sharding != crate::Sharding::No {
-            let (store, overflow, norm) = self.step_sharded(&touched, position, inv_scale)?;
-            self.loss_guard.at_sync(self.precision, overflow)?;
-            if let Some(s) = &mut self.scaler {
-                s.update(overflow);
-            }
-            return Ok(Gradients::synced(store, overflow).with_norm(norm));
-        }
-        let mut out = GradStore::default();
-        let mut overflow = false;
-        // Only the models this loss reached end their window here: another model trained in
-        // the same micro-step (a second loss, a GAN's other half) ends it at its own backward.
-        for (m, _) in self.models.iter_mut().zip(&touched).filter(|(_, t)| **t) {
-            overflow |= m.take_synced(
-                &self.comm,
-                position,
-                self.bucket_bytes,
-                inv_scale,
-                self.scaler.is_some(),
-                &mut out,
-            )?;
-        }
-        self.loss_guard.at_sync(self.precision, overflow)?;
-        if let Some(s) = &mut self.scaler {
-            s.update(overflow);
-        }
-        let mut grads = Gradients::synced(out, overflow);
-        if !overflow {
-            self.clip(&mut grads)?;
-        }
-        Ok(grads)
+        Ok(loss.backward()?)
     }
 
-    fn is_plain_fast_path(&self) -> bool {
+    /// Adds this micro-batch's gradients to each model's window sums; says which models the
+    /// loss reached.
+    fn accumulate(&mut self, store: &GradStore) -> Result<Vec<bool>> {
         self.models
-            .iter()
-            .all(|m| !m.has_copies() && m.shard.is_none() && m.sums.iter().all(Option::is_none))
-    }
-
-    fn clip(&self, grads: &mut Gradients) -> Result<()> {
-        if self.clip_norm.is_none() && self.clip_value.is_none() {
-            return Ok(());
-        }
-        let vars: Vec<Var> = self
-            .models
-            .iter()
-            .flat_map(|m| m.master.iter().cloned())
-            .collect();
-        if let Some(n) = self.clip_norm {
-            grads.clip_norm(&vars, n, 2.0)?;
-        }
-        if let Some(v) = self.clip_value {
-            grads.clip_value(&vars, v)?;
-        }
-        Ok(())
+            .iter_mut()
+            .map(|m| m.accumulate(store))
+            .collect()
     }
 
     /// Clips synced gradients to a global `norm_type` norm of at most `max_norm` and returns

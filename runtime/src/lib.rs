@@ -60,6 +60,7 @@ pub mod scaler;
 mod shard;
 pub mod state;
 pub mod stateful;
+mod sync;
 pub mod tracking;
 mod window;
 

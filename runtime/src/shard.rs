@@ -238,7 +238,7 @@ impl ParamSet {
             }
         }
         let mut mine = vec![0f32; shard.plan.counts[comm.rank()]];
-        comm.reduce_scatter_sum_into(&send, &mut mine, &shard.plan.counts)?;
+        comm.reduce_scatter_sum_into(&send, &mut mine, &shard.plan.counts, position)?;
         drop(send);
         let factor = (inv_scale / world as f64) as f32;
         let mut at = 0;

@@ -64,14 +64,16 @@ pub trait Communicator {
     ///
     /// Shards lie in rank order, rank `r`'s holding `counts[r]` values (they may differ, such
     /// as a shorter last shard): `send` holds all of them on every rank, `recv` this rank's.
-    /// Every rank must pass the same `counts`.
-    /// With [`all_gather_into`](Self::all_gather_into) it is sharded data parallelism's
-    /// gradient sync, into the caller's buffers.
+    /// Every rank must pass the same `counts`, and fails on every rank, as
+    /// [`all_reduce_checked`](Self::all_reduce_checked) does, when the ranks' data do not stand
+    /// at the same `position`. With [`all_gather_into`](Self::all_gather_into) it is sharded
+    /// data parallelism's gradient sync, into the caller's buffers.
     fn reduce_scatter_sum_into(
         &self,
         send: &[f32],
         recv: &mut [f32],
         counts: &[usize],
+        position: u64,
     ) -> Result<()> {
         let start = check_shards(
             self.world_size(),
@@ -81,7 +83,7 @@ pub trait Communicator {
             send.len(),
         )?;
         let mut full = vec![0f32; send.len()];
-        self.all_reduce_sum_into(send, &mut full, 0)?;
+        self.all_reduce_sum_into(send, &mut full, position)?;
         recv.copy_from_slice(&full[start..start + recv.len()]);
         Ok(())
     }
@@ -229,9 +231,11 @@ impl Communicator for Counted {
         send: &[f32],
         recv: &mut [f32],
         counts: &[usize],
+        position: u64,
     ) -> Result<()> {
         self.tick();
-        self.inner.reduce_scatter_sum_into(send, recv, counts)
+        self.inner
+            .reduce_scatter_sum_into(send, recv, counts, position)
     }
     fn all_gather_into(
         &self,

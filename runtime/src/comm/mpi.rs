@@ -285,6 +285,7 @@ impl Communicator for MpiComm {
         send: &[f32],
         recv: &mut [f32],
         counts: &[usize],
+        position: u64,
     ) -> Result<()> {
         super::check_shards(
             self.world_size(),
@@ -298,7 +299,8 @@ impl Communicator for MpiComm {
             kind: OpKind::ReduceScatter,
             count: send.len() as u64,
             root: 0,
-            position: 0,
+            // Checked like the gradient all-reduce: ranks whose data drifted apart fail here.
+            position,
         };
         self.collective(desc, || {
             // SAFETY: `send` holds the sum of `counts` f32 values and `recv` this rank's count

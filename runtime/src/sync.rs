@@ -1,0 +1,119 @@
+//! How an accumulation window's gradients end: the gradient-sync strategy.
+//!
+//! `backward` scales the loss, runs candle's backward and adds each micro-batch into the
+//! models' window sums; on the window's last micro-batch it hands the window to the strategy
+//! the run was built with:
+//!
+//! - [`Strategy::Replicated`] (plain data parallelism): every process averages the whole
+//!   gradients with the bucketed, position-checked all-reduce (`bucket.rs`), unscales them and
+//!   checks for fp16 overflow, then clips them by the global norm or by value. On one process
+//!   the communicator is the identity, and a window that needs no averaging, unscaling or
+//!   copying hands candle's own gradients through untouched.
+//! - [`Strategy::Sharded`] (ZeRO stages 1 and 2, `shard.rs`): each process ends with its slice
+//!   of the mean gradient, the processes agree on the global norm and overflow, and each steps
+//!   the optimizer over its slice inside `backward`.
+//!
+//! A new strategy is a variant here and its arm in [`Accelerator::end_window`]; `backward`
+//! does not change.
+
+use crate::accelerator::Accelerator;
+use crate::comm::Communicator;
+use crate::config::Sharding;
+use crate::error::Result;
+use crate::grads::Gradients;
+use candle_core::backprop::GradStore;
+use candle_core::Var;
+
+/// The gradient-sync strategy of a run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Strategy {
+    /// Whole gradients averaged on every process; the optimizer steps after `backward`.
+    Replicated,
+    /// Each process ends with its slice and steps it inside `backward`.
+    Sharded,
+}
+
+impl Strategy {
+    /// The strategy of a sharding stage.
+    pub fn of(sharding: Sharding) -> Strategy {
+        match sharding {
+            Sharding::No => Strategy::Replicated,
+            Sharding::Optimizer | Sharding::Gradients => Strategy::Sharded,
+        }
+    }
+}
+
+impl Accelerator {
+    /// Ends the window on its last micro-batch: the gradients the optimizer gets, whether
+    /// fp16 overflowed and (when clipping measured it) the global norm.
+    pub(crate) fn end_window(&mut self, touched: &[bool], inv_scale: f64) -> Result<Gradients> {
+        let position = self.grad_state.position();
+        match Strategy::of(self.sharding) {
+            Strategy::Sharded => {
+                let (store, overflow, norm) = self.step_sharded(touched, position, inv_scale)?;
+                Ok(Gradients::synced(store, overflow).with_norm(norm))
+            }
+            Strategy::Replicated => {
+                let mut out = GradStore::default();
+                let mut overflow = false;
+                // Only the models this loss reached end their window here: another model
+                // trained in the same micro-step (a second loss, a GAN's other half) ends it at
+                // its own backward.
+                for (m, _) in self.models.iter_mut().zip(touched).filter(|(_, t)| **t) {
+                    overflow |= m.take_synced(
+                        &self.comm,
+                        position,
+                        self.bucket_bytes,
+                        inv_scale,
+                        self.scaler.is_some(),
+                        &mut out,
+                    )?;
+                }
+                let mut grads = Gradients::synced(out, overflow);
+                if !overflow {
+                    self.clip(&mut grads)?;
+                }
+                Ok(grads)
+            }
+        }
+    }
+
+    /// Whether a one-micro-batch window's gradients are already final as candle computed
+    /// them: replicated over the identity communicator, no loss scale, no low-precision copies
+    /// and nothing summed from earlier micro-batches.
+    pub(crate) fn passes_through(&self) -> bool {
+        Strategy::of(self.sharding) == Strategy::Replicated
+            && self.comm.world_size() == 1
+            && self.scaler.is_none()
+            && self
+                .models
+                .iter()
+                .all(|m| !m.has_copies() && m.sums.iter().all(Option::is_none))
+    }
+
+    /// Ends a window that [`passes_through`](Self::passes_through): candle's store, clipped.
+    pub(crate) fn end_in_place(&self, store: GradStore) -> Result<Gradients> {
+        let mut grads = Gradients::synced(store, false);
+        self.clip(&mut grads)?;
+        Ok(grads)
+    }
+
+    /// Clips synced, replicated gradients as the builder set: by the global norm, or by value.
+    fn clip(&self, grads: &mut Gradients) -> Result<()> {
+        if self.clip_norm.is_none() && self.clip_value.is_none() {
+            return Ok(());
+        }
+        let vars: Vec<Var> = self
+            .models
+            .iter()
+            .flat_map(|m| m.master.iter().cloned())
+            .collect();
+        if let Some(n) = self.clip_norm {
+            grads.clip_norm(&vars, n, 2.0)?;
+        }
+        if let Some(v) = self.clip_value {
+            grads.clip_value(&vars, v)?;
+        }
+        Ok(())
+    }
+}
