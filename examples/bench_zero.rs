@@ -3,8 +3,11 @@
 //!
 //! ```text
 //! cargo build --release --workspace --bins --examples
-//! target/release/ivme launch --num_processes 3 target/release/examples/bench_zero optimizer [steps]
+//! target/release/ivme launch --num_processes 3 target/release/examples/bench_zero optimizer [steps] [DIR]
 //! ```
+//!
+//! With `DIR`, each run then saves its training state to `DIR/{stage}-{N}` and reports the
+//! seconds the save took and the bytes each rank wrote.
 //!
 //! Each run prints, for every rank, the bytes of training state it holds (from
 //! `Accelerator::held_bytes`), its peak RSS and the median step time. A process holds one
@@ -80,8 +83,25 @@ fn main() -> ivme::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let stage: Sharding = args.first().map_or("no", String::as_str).parse()?;
     let steps: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(4);
-    let (times, acc) = train(stage, steps.max(2))?;
+    let (times, mut acc) = train(stage, steps.max(2))?;
     let h = acc.held_bytes()?;
+    let saved = match args.get(2) {
+        Some(dir) => {
+            let dir = std::path::Path::new(dir).join(format!("{stage}-{}", acc.num_processes()));
+            acc.wait_for_everyone()?;
+            let t = Instant::now();
+            acc.save_state(Some(&dir))?;
+            let secs = t.elapsed().as_secs_f64();
+            let mine = dir.join(format!("rank{}", acc.process_index()));
+            let bytes: u64 = std::fs::read_dir(&mine)
+                .map_err(|e| ivme::Error::io(format!("listing {}", mine.display()), e))?
+                .filter_map(|e| e.ok()?.metadata().ok())
+                .map(|m| m.len())
+                .sum();
+            format!(", save {secs:.2} s, wrote {:.1} MB", mb(bytes as usize))
+        }
+        None => String::new(),
+    };
     let params: usize = DIMS.windows(2).map(|w| w[0] * w[1] + w[1]).sum();
     // One line per rank, in rank order.
     for r in 0..acc.num_processes() {
@@ -89,7 +109,7 @@ fn main() -> ivme::Result<()> {
             println!(
                 "{params} params, {} ranks, {stage:<9} {}: rank {r}: weights {:.1} MB, \
                  gradients {:.1} MB, masters {:.1} MB, optimizer {:.1} MB (total {:.1} MB), \
-                 peak RSS {:.0} MB, step {:.0} ms",
+                 peak RSS {:.0} MB, step {:.0} ms{saved}",
                 acc.num_processes(),
                 acc.precision(),
                 mb(h.weights),

@@ -99,16 +99,20 @@ pub(crate) fn run_name(name: &str, from: usize, len: usize) -> String {
     format!("{name}[{from}..{}]", from + len)
 }
 
-/// Splits `name[from..to]` into the name and the first element; a name without a range is a
-/// whole variable.
-fn parse_run(saved: &str) -> Option<(&str, Option<(usize, usize)>)> {
-    let Some(body) = saved.strip_suffix(']') else {
-        return Some((saved, None));
+/// Splits `name[from..to]` into the name and the element range; a name that does not end in
+/// such a range (`w`, or `h[0]`) is a whole variable.
+fn parse_run(saved: &str) -> (&str, Option<(usize, usize)>) {
+    let range = || -> Option<(&str, (usize, usize))> {
+        let body = saved.strip_suffix(']')?;
+        let open = body.rfind('[')?;
+        let (a, b) = body[open + 1..].split_once("..")?;
+        let (a, b): (usize, usize) = (a.parse().ok()?, b.parse().ok()?);
+        (a < b).then_some((&body[..open], (a, b)))
     };
-    let open = body.rfind('[')?;
-    let (a, b) = body[open + 1..].split_once("..")?;
-    let (a, b): (usize, usize) = (a.parse().ok()?, b.parse().ok()?);
-    (a < b).then_some((&body[..open], Some((a, b))))
+    match range() {
+        Some((name, r)) => (name, Some(r)),
+        None => (saved, None),
+    }
 }
 
 /// One saved run: its first element, its values (flat) and, for a whole variable, the shape
@@ -137,12 +141,7 @@ impl Runs {
                 Some((v, s)) => (v, Some(s)),
                 None => (saved.as_str(), None),
             };
-            let Some((name, range)) = parse_run(var) else {
-                return Err(bad(
-                    file,
-                    format!("has `{saved}`, whose element range cannot be read"),
-                ));
-            };
+            let (name, range) = parse_run(var);
             let shape = t.dims().to_vec();
             let flat = t.flatten_all()?;
             let (from, whole) = match range {
@@ -329,8 +328,10 @@ mod tests {
         };
         let e = whole_runs.take(dir, "layer.w", 0, 4, &as_row).unwrap_err();
         assert!(e.to_string().contains("[2, 2]"), "{e}");
-        assert_eq!(parse_run("a.b[3..9]"), Some(("a.b", Some((3, 9)))));
-        assert_eq!(parse_run("a.b[9..3]"), None);
+        assert_eq!(parse_run("a.b[3..9]"), ("a.b", Some((3, 9))));
+        // Names that merely end in brackets are whole variables.
+        assert_eq!(parse_run("a.b[9..3]"), ("a.b[9..3]", None));
+        assert_eq!(parse_run("h[0]"), ("h[0]", None));
     }
 
     #[test]

@@ -51,6 +51,8 @@ pub(crate) struct Plan {
     /// Per model, per variable: the partial gradient sum of a window saved mid-way.
     sums: Vec<Vec<Option<Tensor>>>,
     custom: Vec<StateDict>,
+    /// The saving run's number of processes, when it differs from this run's.
+    moved_from: Option<usize>,
 }
 
 /// What [`Accelerator::classify_checkpoint`] found.
@@ -299,10 +301,8 @@ impl Accelerator {
             let name = format!("custom_{i}");
             custom.push(state_of(&mine, &name).ok_or_else(|| bad(&file(&name), "is missing"))?);
         }
-        if moved {
-            self.warn_moved(manifest.world_size);
-        }
         Ok(Plan {
+            moved_from: moved.then_some(manifest.world_size),
             dir: dir.to_path_buf(),
             models,
             optimizers,
@@ -367,6 +367,7 @@ impl Accelerator {
             scaler,
             sums,
             custom,
+            moved_from: _,
         } = plan;
         self.load_undoably(&dir, &custom, &optimizers)?;
         for (shared, pos) in self.loaders.iter().zip(loaders) {
@@ -406,9 +407,14 @@ impl Accelerator {
     /// Applies a plan every rank checked, agrees on the outcome, and (sharded models) gathers
     /// every process's loaded slice into the model weights.
     pub(crate) fn apply_checked(&mut self, plan: Plan) -> Result<()> {
+        let moved_from = plan.moved_from;
         let applied = self.apply_plan(plan);
         self.agree("loading the checkpoint", applied)?;
-        self.gather_loaded_slices()
+        self.gather_loaded_slices()?;
+        if let Some(saved_world) = moved_from {
+            self.warn_moved(saved_world);
+        }
+        Ok(())
     }
 
     /// Loads registered objects, then optimizers; if one refuses, the ones already loaded get
