@@ -3,10 +3,10 @@
 //! rates) to `out/rank{R}.json` so a test can compare it with plain candle.
 //!
 //! Arguments are `key=value`: `opt=sgd|adamw steps=K batch=B n=N accum=A precision=no|fp16|bf16
-//! lr=F momentum=F clip_norm=F clip_value=F sharding=no|optimizer|gradients shuffle=0|1 sched=none|step|warmup dropout=P project=DIR save_at=K resume=1 resave=DIR model_out=DIR async=0|1 break=rng|loader|scheduler|optimizer loss_scale=F init_scale=F inject_inf_at=I out=DIR`.
+//! lr=F momentum=F clip_norm=F clip_value=F sharding=no|optimizer|gradients shuffle=0|1 sched=none|step|warmup dropout=P project=DIR save_at=K resume=1 resave=DIR model_in=FILE model_out=DIR async=0|1 break=rng|loader|scheduler|optimizer loss_scale=F init_scale=F inject_inf_at=I out=DIR`.
 //! `steps` counts micro-steps in all (a resumed run trains only the rest; none when the loaded
 //! state is already there); `resave` saves the state again right after the load; `model_out`
-//! saves the model (`save_model`) at the end.
+//! saves the model (`save_model`) at the end; `model_in` loads one (`load_model`) after prepare.
 
 use candle_core::{DType, Module, Tensor};
 use candle_nn::{linear, Linear, Optimizer, VarBuilder, VarMap};
@@ -194,6 +194,9 @@ fn main() -> ivme::Result<()> {
                 .automatic_checkpoint_naming(true)
                 .total_limit(2),
         )?;
+    }
+    if let Some(file) = args.0.get("model_in") {
+        acc.load_model(std::path::Path::new(file))?;
     }
     let progress = acc.register_for_checkpointing(Progress { micro: 0 });
     if args.get("resume", 0u8) == 1 {

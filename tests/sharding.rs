@@ -196,6 +196,50 @@ fn save_model_writes_the_f32_masters_not_the_rounded_weights() {
 }
 
 #[test]
+fn load_model_gives_the_masters_the_files_f32_values_under_bf16() {
+    let root = common::Scratch::new("zero-load-model");
+    // f32 values that bf16 cannot hold, in the harness model's variables.
+    let (varmap, _) = reference::model();
+    let mut tensors = std::collections::HashMap::new();
+    for (i, (name, var)) in varmap.data().lock().unwrap().iter().enumerate() {
+        let n = var.elem_count();
+        let values: Vec<f32> = (0..n)
+            .map(|k| 0.1 + (i * 100 + k) as f32 * 1.0e-4)
+            .collect();
+        let t = candle_core::Tensor::from_vec(values, var.dims(), &candle_core::Device::Cpu);
+        tensors.insert(name.clone(), t.unwrap());
+    }
+    let file = root.0.join("in.safetensors");
+    candle_core::safetensors::save(&tensors, &file).unwrap();
+    for stage in ["no", "gradients"] {
+        let dir = root.0.join(stage);
+        let model_in = format!("model_in={}", file.display());
+        let model_out = format!("model_out={}", dir.display());
+        run(
+            2,
+            &[
+                "steps=0",
+                "precision=bf16",
+                &format!("sharding={stage}"),
+                &model_in,
+                &model_out,
+            ],
+            &format!("load-model-{stage}"),
+        );
+        let saved = candle_core::safetensors::load(
+            dir.join("model.safetensors"),
+            &candle_core::Device::Cpu,
+        )
+        .unwrap();
+        for (name, want) in &tensors {
+            let got = saved[name].flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let want = want.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            assert_eq!(got, want, "{stage}: `{name}` lost the file's f32 values");
+        }
+    }
+}
+
+#[test]
 fn each_rank_holds_only_its_slice_of_the_masters_and_optimizer_state() {
     let held = |stage: &str, n: usize| -> Vec<Value> {
         run(

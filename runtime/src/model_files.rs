@@ -4,7 +4,7 @@
 use crate::accelerator::Accelerator;
 use crate::checkpoint::model::{load_checkpoint_in_model, save_model, LoadReport, ShardSize};
 use crate::error::Result;
-use candle_core::Tensor;
+use candle_core::{DType, Tensor, Var};
 use std::path::Path;
 
 impl Accelerator {
@@ -33,17 +33,45 @@ impl Accelerator {
     }
 
     /// Loads a model file or folder (single or sharded) into the prepared models' weights on
-    /// every rank, refreshing their low-precision copies.
+    /// every rank, refreshing their low-precision copies. The f32 masters take the file's
+    /// values as they are (under sharding too: each process's slice comes from them, not from
+    /// the weights rounded to the compute dtype).
     pub fn load_model(&self, path: &Path) -> Result<LoadReport> {
-        let vars = self.named_master_vars();
-        let report = load_checkpoint_in_model(&vars, path, self.device())?;
+        // Under sharding no process holds whole masters: f32 stand-ins, starting from the
+        // current weights, receive the file's values.
+        let mut standins: Vec<Option<Vec<Var>>> = Vec::with_capacity(self.models.len());
+        let mut vars = Vec::new();
         for m in &self.models {
-            for (c, master) in m.compute.iter().zip(&m.master) {
-                crate::precision::refresh_copy(c, master)?;
+            match &m.shard {
+                Some(_) => {
+                    let whole = m
+                        .compute
+                        .iter()
+                        .map(|c| Ok(Var::from_tensor(&c.as_tensor().to_dtype(DType::F32)?)?))
+                        .collect::<Result<Vec<Var>>>()?;
+                    vars.extend(m.names.iter().cloned().zip(whole.iter().cloned()));
+                    standins.push(Some(whole));
+                }
+                None => {
+                    vars.extend(m.names.iter().cloned().zip(m.master.iter().cloned()));
+                    standins.push(None);
+                }
             }
-            // Sharded: the weights were loaded whole; this process's masters follow them.
-            if let Some(shard) = &m.shard {
-                shard.reslice(&m.compute)?;
+        }
+        let report = load_checkpoint_in_model(&vars, path, self.device())?;
+        for (m, whole) in self.models.iter().zip(standins) {
+            match (&m.shard, whole) {
+                (Some(shard), Some(whole)) => {
+                    shard.reslice(&whole)?;
+                    for (c, w) in m.compute.iter().zip(&whole) {
+                        crate::precision::refresh_copy(c, w)?;
+                    }
+                }
+                _ => {
+                    for (c, master) in m.compute.iter().zip(&m.master) {
+                        crate::precision::refresh_copy(c, master)?;
+                    }
+                }
             }
         }
         Ok(report)
