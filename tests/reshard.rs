@@ -426,3 +426,28 @@ fn merge_weights_turns_any_layout_into_a_model_folder_that_candle_and_python_rea
     let e = common::refused(&o);
     assert!(e.contains("has no manifest.json"), "{e}");
 }
+
+#[test]
+fn an_fp16_run_moves_with_its_loss_scale() {
+    let root = common::Scratch::new("reshard-fp16");
+    let project = save_on_two("gradients", &root.0, &["precision=fp16", "init_scale=1024"]);
+    let saved = only_checkpoint(&project);
+    let scaler = json(&saved.join("rank0/training.json"))["scaler"].clone();
+    assert!(scaler["scale"].as_f64().is_some(), "{scaler}");
+    let moved = root.0.join("moved");
+    copy_dir(&project, &moved);
+    let again = root.0.join("again");
+    let mut args = base(2, "optimizer", &moved);
+    args.extend(
+        ["precision=fp16", "resume=1", "steps=2"]
+            .map(String::from)
+            .into_iter()
+            .chain([format!("resave={}", again.display())]),
+    );
+    harness(3, &strs(&args), &root.0.join("out"));
+    assert_eq!(logical_state(&again), logical_state(&saved));
+    for r in 0..3 {
+        let got = json(&again.join(format!("rank{r}/training.json")))["scaler"].clone();
+        assert_eq!(got, scaler, "rank {r}'s loss scaler");
+    }
+}

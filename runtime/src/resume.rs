@@ -17,6 +17,7 @@
 use crate::accelerator::Accelerator;
 use crate::checkpoint::fsio::parent_of;
 use crate::checkpoint::layout::{run_name, Layout};
+use crate::checkpoint::names::{self, Kind};
 use crate::checkpoint::newest::Newest;
 use crate::checkpoint::project::{rotate, ProjectConfiguration};
 use crate::checkpoint::store::{self, Component, ManifestMeta, RankState};
@@ -122,7 +123,7 @@ impl Accelerator {
                     .map(|(n, v)| (n.clone(), json!(v.dims())))
                     .collect();
                 components.push(Component {
-                    name: format!("model_{i}"),
+                    name: Kind::Model.name(i),
                     tensors,
                     json: match m.shard {
                         Some(_) => json!({ "shapes": shapes }),
@@ -131,18 +132,18 @@ impl Accelerator {
                 });
             }
             for (i, o) in self.optimizers.iter().enumerate() {
-                components.push(component(format!("optimizer_{i}"), o.state_dict()?));
+                components.push(component(Kind::Optimizer.name(i), o.state_dict()?));
             }
         }
         for (i, l) in self.loaders.iter().enumerate() {
             components.push(Component {
-                name: format!("loader_{i}"),
+                name: Kind::Loader.name(i),
                 tensors: vec![],
                 json: serde_json::to_value(*l.lock())?,
             });
         }
         components.push(Component {
-            name: "rng".into(),
+            name: names::RNG.into(),
             tensors: vec![],
             json: serde_json::to_value(self.rng.lock().state())?,
         });
@@ -156,7 +157,7 @@ impl Accelerator {
             }
         }
         components.push(Component {
-            name: "training".into(),
+            name: names::TRAINING.into(),
             tensors: sums,
             json: json!({
                 "auto_micro_step": self.grad_state.auto_index(),
@@ -166,7 +167,7 @@ impl Accelerator {
             }),
         });
         for (i, r) in self.registered.iter().enumerate() {
-            components.push(component(format!("custom_{i}"), r.state_dict()?));
+            components.push(component(Kind::Custom.name(i), r.state_dict()?));
         }
         Ok(RankState { components })
     }

@@ -178,7 +178,7 @@ impl HostBuffers {
     pub fn copy(&mut self, mut state: RankState) -> Result<RankState> {
         let mut jobs = Vec::new();
         for (ci, c) in state.components.iter_mut().enumerate() {
-            let always = c.name == "training";
+            let always = c.name == super::names::TRAINING;
             for (ti, (name, t)) in c.tensors.iter_mut().enumerate() {
                 if !t.device().is_cpu() {
                     // `detach` drops the link to the variable, so the copy records no graph.

@@ -10,6 +10,7 @@ use serde_json::Value;
 use super::format::bad;
 use super::layout::{Layout, Runs, Whole};
 use super::model::{save_model, ShardSize};
+use super::names::{self, Kind};
 use super::store::{read_manifest, read_rank_with};
 use crate::error::Result;
 
@@ -69,9 +70,11 @@ pub fn merge_weights(checkpoint: &Path, out: &Path, options: &MergeOptions) -> R
     // Per model component: its runs from every rank folder and the shapes it recorded.
     let mut models: BTreeMap<usize, (Runs, Value)> = BTreeMap::new();
     for r in ranks {
-        let state = read_rank_with(checkpoint, r, |c| c.starts_with("model_"))?;
+        let state = read_rank_with(checkpoint, r, |c| {
+            matches!(names::parse(c), Some((Kind::Model, _)))
+        })?;
         for c in state.components {
-            let Some(i) = c.name.strip_prefix("model_").and_then(|i| i.parse().ok()) else {
+            let Some((Kind::Model, i)) = names::parse(&c.name) else {
                 continue;
             };
             let file = checkpoint.join(format!("rank{r}/{}.safetensors", c.name));

@@ -31,6 +31,7 @@ pub mod lock;
 mod manifest;
 mod merge;
 pub mod model;
+pub(crate) mod names;
 pub(crate) mod newest;
 pub mod project;
 mod read;

@@ -16,6 +16,7 @@ use serde_json::Value;
 
 use super::format::bad;
 use super::layout::{run_name, Layout, Runs, Whole};
+use super::names::Kind;
 use super::store::RankState;
 use crate::accelerator::Accelerator;
 use crate::error::Result;
@@ -76,7 +77,7 @@ impl Accelerator {
         };
         let mut models = Vec::with_capacity(self.models.len());
         for i in 0..self.models.len() {
-            let name = format!("model_{i}");
+            let name = Kind::Model.name(i);
             let (mut runs, mut shapes) = (Runs::default(), Value::Null);
             for s in states.iter_mut() {
                 if let Some(c) = s.components.iter_mut().find(|c| c.name == name) {
@@ -91,7 +92,7 @@ impl Accelerator {
         }
         let mut optimizers = Vec::with_capacity(self.optimizers.len());
         for j in 0..self.optimizers.len() {
-            let name = format!("optimizer_{j}");
+            let name = Kind::Optimizer.name(j);
             let (mut runs, mut json) = (Runs::default(), None);
             for s in states.iter_mut() {
                 if let Some(c) = s.components.iter_mut().find(|c| c.name == name) {

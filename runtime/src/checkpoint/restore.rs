@@ -23,6 +23,7 @@ use serde_json::Value;
 use super::checks::check_scaler;
 use super::format::bad;
 use super::layout::Layout;
+use super::names::{self, Kind};
 use super::reshard::Assembled;
 use super::store::{self, RankState};
 use super::swap;
@@ -126,16 +127,14 @@ impl Accelerator {
     /// The component names saved rank `rank` holds, given the prepared objects: the models
     /// and optimizers are on rank 0, or on every rank of a `sharded` layout.
     fn expected_components(&self, rank: usize, sharded: bool) -> BTreeSet<String> {
-        let mut out = BTreeSet::from(["rng".to_string(), "training".to_string()]);
-        fn n(prefix: &'static str, k: usize) -> impl Iterator<Item = String> {
-            (0..k).map(move |i| format!("{prefix}_{i}"))
-        }
+        let mut out = BTreeSet::from([names::RNG.to_string(), names::TRAINING.to_string()]);
+        let n = |kind: Kind, k: usize| (0..k).map(move |i| kind.name(i));
         if rank == 0 || sharded {
-            out.extend(n("model", self.models.len()));
-            out.extend(n("optimizer", self.optimizers.len()));
+            out.extend(n(Kind::Model, self.models.len()));
+            out.extend(n(Kind::Optimizer, self.optimizers.len()));
         }
-        out.extend(n("loader", self.loaders.len()));
-        out.extend(n("custom", self.registered.len()));
+        out.extend(n(Kind::Loader, self.loaders.len()));
+        out.extend(n(Kind::Custom, self.registered.len()));
         out
     }
 
@@ -152,16 +151,16 @@ impl Accelerator {
         if found == want {
             return Ok(());
         }
-        let count = |p: &str| found.iter().filter(|n| n.starts_with(p)).count();
+        let count = |kind: Kind| names::count(&found, kind);
         let mut saved = Counts {
-            loaders: count("loader_"),
-            registered: count("custom_"),
+            loaders: count(Kind::Loader),
+            registered: count(Kind::Custom),
             ..Counts::default()
         };
         let mut live = self.live_counts();
         if rank == 0 || sharded {
-            saved.models = count("model_");
-            saved.optimizers = count("optimizer_");
+            saved.models = count(Kind::Model);
+            saved.optimizers = count(Kind::Optimizer);
         } else {
             (live.models, live.optimizers) = (0, 0);
         }
@@ -214,7 +213,7 @@ impl Accelerator {
         // The saved rank whose own state (positions, RNG, registered objects) this rank takes.
         let own = if rank < manifest.world_size { rank } else { 0 };
         let sources = self.source_ranks(&layout);
-        let weights = |c: &str| c.starts_with("model_") || c.starts_with("optimizer_");
+        let weights = names::is_weights;
         // Every file is read once, here; the tensors wait in memory until every check passed.
         let (mut mine, _) = store::read_rank_in(dir, &manifest, own, |c| {
             sources.contains(&own) || !weights(c)
@@ -244,30 +243,39 @@ impl Accelerator {
         };
         let mut loaders = Vec::new();
         for i in 0..self.loaders.len() {
-            let name = format!("loader_{i}");
+            let name = Kind::Loader.name(i);
             let what = "a data loader position (epoch, seed, consumed)";
             let pos: LoaderPosition =
                 serde_json::from_value(parse(&name, what)?).map_err(|e| typed(&name, what, e))?;
             loaders.push(if moved { pos.for_new_world()? } else { pos });
         }
         let what = "an RNG state (a 32-byte seed and a word position)";
-        let rng: RngState =
-            serde_json::from_value(parse("rng", what)?).map_err(|e| typed("rng", what, e))?;
+        let rng: RngState = serde_json::from_value(parse(names::RNG, what)?)
+            .map_err(|e| typed(names::RNG, what, e))?;
         let rng = (rank < manifest.world_size).then_some(rng);
         let training = mine
-            .get("training")
-            .ok_or_else(|| bad(&file("training"), "is missing"))?;
+            .get(names::TRAINING)
+            .ok_or_else(|| bad(&file(names::TRAINING), "is missing"))?;
         let auto_micro_step = training.json["auto_micro_step"].as_u64().ok_or_else(|| {
             bad(
-                &file("training"),
+                &file(names::TRAINING),
                 "has no `auto_micro_step` (a non-negative integer)",
             )
         })?;
         let what = "a loss scaler (scale, growth_factor, backoff_factor, growth_interval, good_steps, skipped_steps) or null";
         let scaler: Option<LossScaler> =
             serde_json::from_value(training.json.get("scaler").cloned().unwrap_or(Value::Null))
-                .map_err(|e| bad(&file("training"), format!("`scaler` is not {what} ({e})")))?;
-        check_scaler(&file("training"), scaler.as_ref(), self.scaler.is_some())?;
+                .map_err(|e| {
+                    bad(
+                        &file(names::TRAINING),
+                        format!("`scaler` is not {what} ({e})"),
+                    )
+                })?;
+        check_scaler(
+            &file(names::TRAINING),
+            scaler.as_ref(),
+            self.scaler.is_some(),
+        )?;
         // Absent from checkpoints written before the attribute's loops were resumable.
         let what = "a loop position (pass, next)";
         let macro_loop: Option<LoopPosition> = match training.json.get("macro_loop") {
@@ -275,7 +283,7 @@ impl Accelerator {
             Some(v) => {
                 let p: LoopPosition = serde_json::from_value(v.clone()).map_err(|e| {
                     bad(
-                        &file("training"),
+                        &file(names::TRAINING),
                         format!("`macro_loop` is not {what} ({e})"),
                     )
                 })?;
@@ -298,7 +306,7 @@ impl Accelerator {
         let sums = self.check_sums(&sums_file, &training.tensors)?;
         let mut custom = Vec::new();
         for i in 0..self.registered.len() {
-            let name = format!("custom_{i}");
+            let name = Kind::Custom.name(i);
             custom.push(state_of(&mine, &name).ok_or_else(|| bad(&file(&name), "is missing"))?);
         }
         Ok(Plan {
@@ -460,7 +468,7 @@ impl Accelerator {
             };
             if let Err(e) = target.load_state_dict(state) {
                 let what = if is_custom {
-                    format!("registered object {i} (custom_{i})")
+                    format!("registered object {i} ({})", Kind::Custom.name(i))
                 } else {
                     format!("optimizer {i}")
                 };
