@@ -94,16 +94,27 @@ fn plain_candle(steps: &[Vec<usize>]) -> std::collections::BTreeMap<String, Vec<
 
 #[test]
 fn a_macro_loop_stopped_on_two_processes_resumes_on_one_over_the_batches_left() {
-    let dir = Scratch::new("macro-resume-moved");
+    // Saved without sharding, and under ZeRO stage 2 (set by the launcher's variable).
+    for sharding in ["no", "gradients"] {
+        moved_to_one(sharding);
+    }
+}
+
+fn moved_to_one(sharding: &str) {
+    let dir = Scratch::new(&format!("macro-resume-moved-{sharding}"));
     let project = format!("project={}", dir.0.join("p").display());
     // 3 steps of 2 batches: batches 0..6 of the first pass are used.
-    let first = run_reports(
+    let out = format!("out={}", dir.0.join("a").display());
+    let o = common::launch(
         2,
-        "macro_resume",
-        &[&project, "stop_at=3"],
-        &dir.0.join("a"),
+        &common::example_bin("macro_resume"),
+        &[&project, "stop_at=3", &out],
+        &[("IVME_SHARDING", sharding)],
     );
-    assert_eq!(first.len(), 2);
+    common::ok(&o);
+    let saved = dir.0.join("p/checkpoints/checkpoint_1");
+    let m = ivme::checkpoint::verify(&saved).unwrap();
+    assert_eq!(m.extra["layout"]["sharding"], sharding, "the save's layout");
     let resumed = run_reports(1, "macro_resume", &[&project], &dir.0.join("b"));
     // The 4 batches left of the first pass, then two whole passes, one batch per step.
     assert_eq!(resumed[0]["trained"], 4 + 10 + 10);
@@ -117,7 +128,10 @@ fn a_macro_loop_stopped_on_two_processes_resumes_on_one_over_the_batches_left() 
     );
     for (name, want) in &expected {
         for (a, b) in got[name].iter().zip(want) {
-            assert!((a - b).abs() <= 1e-5, "`{name}`: {a} vs plain candle's {b}");
+            assert!(
+                (a - b).abs() <= 1e-5,
+                "{sharding}: `{name}`: {a} vs plain candle's {b}"
+            );
         }
     }
 }
