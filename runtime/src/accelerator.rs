@@ -31,7 +31,8 @@ use std::sync::Arc;
 pub struct Accelerator {
     pub(crate) state: ProcessState,
     pub(crate) comm: Counted,
-    pub(crate) precision: Precision,
+    /// Mixed precision: policy, loss scaler, NaN-loss guard, exact initial values.
+    pub(crate) mixed: crate::precision::MixedPrecision,
     pub(crate) clip_norm: Option<f64>,
     pub(crate) clip_value: Option<f64>,
     pub(crate) seed: u64,
@@ -45,18 +46,13 @@ pub struct Accelerator {
     /// Checkpoint folders this job writes (held from the first automatic save until drop).
     pub(crate) checkpoint_locks: Vec<crate::checkpoint::FolderLock>,
     pub(crate) trackers: Shared<Option<crate::tracking::Trackers>>,
-    pub(crate) scaler: Option<LossScaler>,
     pub(crate) grad_state: Arc<GradientState>,
     /// Where the attribute's loops over plain collections stand (saved with the state).
     pub(crate) loop_cursor: Shared<crate::macro_support::LoopCursor>,
     /// Asynchronous saves: the one being written in the background and its host buffers.
     pub(crate) background: crate::checkpoint::background::BackgroundSaves,
-    /// Stops a run whose forward pass is NaN in bf16/fp16 (model_dtype.rs).
-    pub(crate) loss_guard: crate::model_dtype::LossGuard,
     /// How much of the training state this process holds (shard.rs).
     pub(crate) sharding: crate::config::Sharding,
-    /// Exact f32 initial values of low-precision variables made by `var_builder`.
-    pub(crate) exact_masters: crate::exact_init::ExactMasters,
 }
 
 impl std::fmt::Debug for Accelerator {
@@ -64,7 +60,7 @@ impl std::fmt::Debug for Accelerator {
         f.debug_struct("Accelerator")
             .field("state", &self.state)
             .field("comm", &self.comm)
-            .field("precision", &self.precision)
+            .field("precision", &self.mixed.policy())
             .field("grad_accum", &self.grad_state.accum())
             .field("models", &self.models.len())
             .field("optimizers", &self.optimizers.len())
@@ -113,7 +109,7 @@ impl Accelerator {
     }
     /// The configured precision.
     pub fn precision(&self) -> Precision {
-        self.precision
+        self.mixed.policy()
     }
     /// The seed given to the builder (0 by default).
     pub fn seed(&self) -> u64 {
@@ -137,7 +133,7 @@ impl Accelerator {
     }
     /// The current fp16 loss scaler, if any.
     pub fn scaler(&self) -> Option<&LossScaler> {
-        self.scaler.as_ref()
+        self.mixed.scaler()
     }
 
     /// Blocks until every process reaches this point.
@@ -156,7 +152,7 @@ impl Accelerator {
     /// of f32 under mixed precision, the request otherwise.
     pub fn param_dtype(&self, requested: DType) -> DType {
         if requested == DType::F32 {
-            self.precision.compute_dtype()
+            self.mixed.policy().compute_dtype()
         } else {
             requested
         }
@@ -224,7 +220,9 @@ impl Accelerator {
     /// processes, unscaled and clipped. Pass the result to a prepared optimizer's `step`.
     pub fn backward(&mut self, loss: &Tensor) -> Result<Gradients> {
         if self.models.is_empty()
-            && (self.state.world_size > 1 || self.grad_state.accum() > 1 || self.scaler.is_some())
+            && (self.state.world_size > 1
+                || self.grad_state.accum() > 1
+                || self.mixed.scales_loss())
         {
             return Err(Error::Prepare(
                 "backward needs the model's VarMap prepared (accelerator.prepare(varmap) or \
@@ -233,7 +231,7 @@ impl Accelerator {
             ));
         }
         let MicroStep { window, sync } = self.grad_state.for_backward();
-        let scale = self.scaler.as_ref().map_or(1.0, |s| s.scale);
+        let scale = self.mixed.loss_scale();
         // Each micro-batch counts 1/window of its window's mean; the scale is undone after sync.
         let store = self.scaled_backward(loss, scale / window as f64)?;
         if sync && self.passes_through() {
@@ -245,11 +243,7 @@ impl Accelerator {
             return Ok(Gradients::accumulating());
         }
         let grads = self.end_window(&touched, 1.0 / scale)?;
-        self.loss_guard
-            .at_sync(self.precision, grads.found_overflow())?;
-        if let Some(s) = &mut self.scaler {
-            s.update(grads.found_overflow());
-        }
+        self.mixed.end_step(grads.found_overflow())?;
         Ok(grads)
     }
 
@@ -261,7 +255,7 @@ impl Accelerator {
         } else {
             loss.to_dtype(DType::F32)?
         };
-        self.loss_guard.record(self.precision, &loss);
+        self.mixed.on_loss(&loss);
         let loss = if factor == 1.0 {
             loss
         } else {
@@ -319,7 +313,7 @@ impl Accelerator {
     /// A handle for autocast scopes that holds no borrow of the Accelerator, so a closure
     /// can use it while the Accelerator is borrowed mutably elsewhere (the macro binds one).
     pub fn autocast_scope(&self) -> Autocast {
-        let dtype = (self.precision != Precision::No).then(|| self.precision.compute_dtype());
+        let dtype = self.mixed.autocast_dtype();
         Autocast::new(dtype)
     }
 

@@ -8,7 +8,6 @@ use crate::env;
 use crate::error::{Error, Result};
 use crate::grads::GradientState;
 use crate::rng::{mix, Rng};
-use crate::scaler::LossScaler;
 use crate::state::{select_device, EnvLayout, ProcessState};
 use crate::stateful::Shared;
 use candle_core::{DType, Device, Tensor};
@@ -234,15 +233,9 @@ impl AcceleratorBuilder {
         }
         Ok(Accelerator {
             grad_state: Arc::new(GradientState::new(grad_accum.value)),
-            scaler: (precision.value == Precision::Fp16).then(|| LossScaler {
-                scale: self
-                    .initial_loss_scale
-                    .unwrap_or(LossScaler::default().scale),
-                ..LossScaler::default()
-            }),
             state,
             comm: Counted::new(comm),
-            precision: precision.value,
+            mixed: crate::precision::MixedPrecision::new(precision.value, self.initial_loss_scale),
             clip_norm: self.clip_grad_norm,
             clip_value: self.clip_grad_value,
             seed: self.seed.unwrap_or(0),
@@ -254,9 +247,7 @@ impl AcceleratorBuilder {
             project,
             checkpoint_locks: Vec::new(),
             loop_cursor: Shared::new(Default::default()),
-            loss_guard: Default::default(),
             sharding: sharding.value,
-            exact_masters: Shared::new(Default::default()),
             background: crate::checkpoint::background::BackgroundSaves::new(self.async_checkpoints),
             trackers: Shared::new(None),
             // Rank-specific streams: dropout on different data must not share masks.

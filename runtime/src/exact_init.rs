@@ -71,12 +71,12 @@ impl Accelerator {
     /// ```
     pub fn var_builder(&self, varmap: &VarMap, requested: DType) -> VarBuilder<'static> {
         let dtype = self.param_dtype(requested);
-        if dtype == DType::F32 || dtype != self.precision.compute_dtype() {
+        if dtype == DType::F32 || dtype != self.mixed.policy().compute_dtype() {
             return VarBuilder::from_varmap(varmap, dtype, self.device());
         }
         let backend = ExactInit {
             varmap: varmap.clone(),
-            masters: self.exact_masters.clone(),
+            masters: self.mixed.exact_masters().clone(),
             low: dtype,
         };
         VarBuilder::from_backend(Box::new(backend), dtype, self.device().clone())
@@ -87,7 +87,12 @@ impl Accelerator {
     /// A variable set after it was made (weights loaded from a file, a custom initialisation)
     /// no longer matches, and its master is widened from its current value instead.
     pub(crate) fn take_exact_master(&self, var: &Var) -> crate::error::Result<Option<Tensor>> {
-        let Some(exact) = self.exact_masters.lock().remove(&var.as_tensor().id()) else {
+        let Some(exact) = self
+            .mixed
+            .exact_masters()
+            .lock()
+            .remove(&var.as_tensor().id())
+        else {
             return Ok(None);
         };
         let now = var.as_tensor().to_dtype(DType::F32)?;

@@ -46,20 +46,20 @@ impl Accelerator {
             ));
         }
         named.sort_by(|a, b| a.0.cmp(&b.0));
-        let low = self.precision.compute_dtype();
+        let low = self.mixed.policy().compute_dtype();
         let mut names = Vec::with_capacity(named.len());
         let mut compute = Vec::with_capacity(named.len());
         let mut master = Vec::with_capacity(named.len());
         let mut full = Vec::new();
         for (name, var) in named {
             let dt = var.dtype();
-            if self.precision != Precision::No && dt == DType::F32 {
+            if self.mixed.policy() != Precision::No && dt == DType::F32 {
                 return Err(Error::Precision(format!(
                     "precision is {} but variable `{name}` is f32, so the model would silently \
                      train in f32; create it with `accelerator.var_builder(&varmap, \
                      DType::F32)` (exact f32 masters) or `VarBuilder::from_varmap(&varmap, \
                      accelerator.param_dtype(DType::F32), accelerator.device())`",
-                    self.precision
+                    self.mixed.policy()
                 )));
             }
             // Broadcast in f32: exact for f16/bf16 values, and MPI has no half types. A variable

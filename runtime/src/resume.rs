@@ -162,7 +162,7 @@ impl Accelerator {
             json: json!({
                 "auto_micro_step": self.grad_state.auto_index(),
                 "macro_loop": self.loop_cursor.lock().position(),
-                "scaler": self.scaler,
+                "scaler": self.mixed.scaler(),
                 "checkpoints_saved": self.project.as_ref().map(|p| p.iteration),
             }),
         });

@@ -270,7 +270,7 @@ impl Accelerator {
         inv_scale: f64,
     ) -> Result<(GradStore, bool, Option<f64>)> {
         let mut store = GradStore::default();
-        let check = self.scaler.is_some();
+        let check = self.mixed.scales_loss();
         let need_norm = self.clip_norm.is_some();
         let (mut overflow, mut squares) = (false, 0.0);
         for (m, _) in self.models.iter_mut().zip(touched).filter(|(_, t)| **t) {

@@ -65,7 +65,7 @@ impl Accelerator {
                         position,
                         self.bucket_bytes,
                         inv_scale,
-                        self.scaler.is_some(),
+                        self.mixed.scales_loss(),
                         &mut out,
                     )?;
                 }
@@ -84,7 +84,7 @@ impl Accelerator {
     pub(crate) fn passes_through(&self) -> bool {
         Strategy::of(self.sharding) == Strategy::Replicated
             && self.comm.world_size() == 1
-            && self.scaler.is_none()
+            && !self.mixed.scales_loss()
             && self
                 .models
                 .iter()

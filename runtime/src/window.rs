@@ -31,7 +31,7 @@ impl Accelerator {
     /// ```
     pub fn accumulated_gradient(&self, var: &Var) -> Result<Option<Tensor>> {
         let id = var.as_tensor().id();
-        let scale = self.scaler.as_ref().map_or(1.0, |s| s.scale);
+        let scale = self.mixed.loss_scale();
         for m in &self.models {
             let found = m
                 .compute

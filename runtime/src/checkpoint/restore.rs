@@ -274,7 +274,7 @@ impl Accelerator {
         check_scaler(
             &file(names::TRAINING),
             scaler.as_ref(),
-            self.scaler.is_some(),
+            self.mixed.scales_loss(),
         )?;
         // Absent from checkpoints written before the attribute's loops were resumable.
         let what = "a loop position (pass, next)";
@@ -388,7 +388,7 @@ impl Accelerator {
         if let Some(p) = macro_loop {
             self.loop_cursor.lock().resume_from(p);
         }
-        self.scaler = scaler;
+        self.mixed.restore_scaler(scaler);
         for (m, s) in self.models.iter_mut().zip(sums) {
             m.sums = s;
         }
