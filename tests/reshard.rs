@@ -326,12 +326,24 @@ fn merge_weights_turns_any_layout_into_a_model_folder_that_candle_and_python_rea
         .map(|(k, v)| (k.clone(), v.dims().to_vec()))
         .collect();
     for saved_as in ["no", "gradients"] {
-        let ckpt = only_checkpoint(&save_on_two(saved_as, &root.0, &[]));
+        let project = save_on_two(saved_as, &root.0, &[]);
+        let ckpt = only_checkpoint(&project);
         let out = root.0.join(format!("hf-{saved_as}"));
         let printed = merge(&[ckpt.to_str().unwrap(), out.to_str().unwrap()]);
         assert!(
             printed.contains("wrote 4 tensors (49 parameters)"),
             "{printed}"
+        );
+        // A project folder stands for its newest complete checkpoint.
+        let from_project = root.0.join(format!("hf-{saved_as}-project"));
+        let printed = merge(&[project.to_str().unwrap(), from_project.to_str().unwrap()]);
+        assert!(
+            printed.contains(&format!("newest complete checkpoint: {}", ckpt.display())),
+            "{printed}"
+        );
+        assert_eq!(
+            std::fs::read(from_project.join("model.safetensors")).unwrap(),
+            std::fs::read(out.join("model.safetensors")).unwrap()
         );
         let got =
             candle_core::safetensors::load(out.join("model.safetensors"), &Device::Cpu).unwrap();

@@ -1,9 +1,9 @@
 //! `ivme merge-weights CHECKPOINT OUT`: a training checkpoint of any layout into a Hugging Face
 //! model folder ([`ivme::checkpoint::merge_weights`]).
 
-use ivme::checkpoint::{merge_weights, MergeOptions, ShardSize};
+use ivme::checkpoint::{find_resumable, merge_weights, MergeOptions, ShardSize};
 use ivme::{Error, Result};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// The subcommand's name.
 pub const COMMAND: &str = "merge-weights";
@@ -12,7 +12,8 @@ const USAGE: &str =
     "Usage: ivme merge-weights CHECKPOINT OUT [--max-shard-size SIZE] [--dtype f32|bf16|f16]
 
 Writes the model weights of the training checkpoint CHECKPOINT (a folder save_state wrote, on
-any number of processes, sharded or not) to the folder OUT as model.safetensors, or as shards of
+any number of processes, sharded or not; or a project folder or its checkpoints folder, for the
+newest complete checkpoint there) to the folder OUT as model.safetensors, or as shards of
 at most SIZE (\"2GB\", \"500MiB\", bytes) with model.safetensors.index.json: the Hugging Face
 layout that candle's VarBuilder and Python's safetensors read. Every file read is checked
 against the checkpoint's checksums. The weights are the f32 masters unless --dtype says
@@ -66,7 +67,8 @@ pub fn main(words: &[String]) -> Result<i32> {
             "expected a checkpoint folder and an output folder\n\n{USAGE}"
         )));
     };
-    let merged = merge_weights(Path::new(checkpoint), Path::new(out), &options)?;
+    let checkpoint = resolve(Path::new(checkpoint))?;
+    let merged = merge_weights(&checkpoint, Path::new(out), &options)?;
     println!(
         "wrote {} tensors ({} parameters) of a checkpoint saved by {} process(es) (sharding {}) \
          to {}:",
@@ -76,4 +78,29 @@ pub fn main(words: &[String]) -> Result<i32> {
         println!("  {}", f.display());
     }
     Ok(0)
+}
+
+/// The checkpoint `path` names: itself when it holds a manifest, else the newest complete
+/// checkpoint of the project folder (`path/checkpoints`) or checkpoints folder it is.
+fn resolve(path: &Path) -> Result<PathBuf> {
+    if path.join("manifest.json").exists() {
+        return Ok(path.to_path_buf());
+    }
+    let folder = match path.join("checkpoints") {
+        p if p.is_dir() => p,
+        _ => path.to_path_buf(),
+    };
+    let newest = if folder.is_dir() {
+        find_resumable(&folder)?
+    } else {
+        None
+    };
+    match newest {
+        Some(dir) => {
+            println!("using the newest complete checkpoint: {}", dir.display());
+            Ok(dir)
+        }
+        // No checkpoint here: the load names the folder and what is missing.
+        None => Ok(path.to_path_buf()),
+    }
 }
