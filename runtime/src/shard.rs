@@ -166,13 +166,57 @@ impl Sharded {
             .collect()
     }
 
-    /// Writes every process's updated slice into the model's weights.
+    /// Writes every process's updated slice into the model's weights. Weights in bf16/f16
+    /// travel at their own size, half of f32's: each process rounds its own slice, which gives
+    /// the values the f32 gather would have rounded to.
     pub(crate) fn gather_into(&self, comm: &dyn Communicator, compute: &[Var]) -> Result<()> {
-        for (var, t) in compute.iter().zip(self.gathered(comm, compute)?) {
-            var.set(&t.to_dtype(var.dtype())?)?;
+        let dtype = compute.first().map_or(DType::F32, |v| v.dtype());
+        let half =
+            matches!(dtype, DType::BF16 | DType::F16) && compute.iter().all(|v| v.dtype() == dtype);
+        if !half {
+            for (var, t) in compute.iter().zip(self.gathered(comm, compute)?) {
+                var.set(&t.to_dtype(var.dtype())?)?;
+            }
+            return Ok(());
+        }
+        let mut mine = Vec::with_capacity(self.plan.counts[comm.rank()] * 2);
+        for m in &self.masters {
+            half_bytes(&m.as_tensor().to_dtype(dtype)?, &mut mine)?;
+        }
+        let total: usize = self.plan.counts.iter().sum();
+        let mut whole = vec![0u8; total * 2];
+        comm.all_gather_into(&mine, &mut whole, &self.plan.counts, 2)?;
+        for (i, var) in compute.iter().enumerate() {
+            let at = self.plan.offsets[i] * 2;
+            let bytes = &whole[at..at + self.plan.sizes[i] * 2];
+            var.set(&Tensor::from_raw_buffer(
+                bytes,
+                dtype,
+                var.dims(),
+                var.device(),
+            )?)?;
         }
         Ok(())
     }
+}
+
+/// Appends the little-endian bytes of a bf16 or f16 tensor's elements.
+fn half_bytes(t: &Tensor, out: &mut Vec<u8>) -> Result<()> {
+    match t.dtype() {
+        DType::BF16 => out.extend(
+            t.flatten_all()?
+                .to_vec1::<half::bf16>()?
+                .iter()
+                .flat_map(|x| x.to_le_bytes()),
+        ),
+        _ => out.extend(
+            t.flatten_all()?
+                .to_vec1::<half::f16>()?
+                .iter()
+                .flat_map(|x| x.to_le_bytes()),
+        ),
+    }
+    Ok(())
 }
 
 /// What a sharded sync leaves for the step: the pieces' gradients and the partial sums the
