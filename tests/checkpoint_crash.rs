@@ -189,20 +189,6 @@ fn sigkill_at_any_moment_leaves_a_complete_checkpoint_and_the_next_save_works() 
     let _ = std::fs::remove_dir_all(&project);
 }
 
-/// Copies a folder tree (regular files and folders only).
-fn copy_tree(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for e in std::fs::read_dir(from).unwrap() {
-        let e = e.unwrap();
-        let (src, dst) = (e.path(), to.join(e.file_name()));
-        if e.file_type().unwrap().is_dir() {
-            copy_tree(&src, &dst);
-        } else {
-            std::fs::copy(&src, &dst).unwrap();
-        }
-    }
-}
-
 /// Runs `ckpt_faults` with `args` and extra environment; returns (success, stdout, stderr).
 fn faults(args: &[&str], env: &[(&str, String)]) -> (bool, String, String) {
     let mut child = Command::new(common::example_bin("ckpt_faults"))
@@ -256,7 +242,7 @@ fn a_crash_at_every_step_of_a_save_is_recovered_by_the_next_run() {
         .to_string();
     // One uninterrupted resume + save, traced: the numbered steps every crash run goes through.
     let traced = root.0.join("traced");
-    copy_tree(&base, &traced);
+    common::copy_tree(&base, &traced);
     let (ok, out, err) = faults(
         &["resume", traced.to_str().unwrap(), "1"],
         &[("IVME_CRASH_TRACE", "1".into())],
@@ -277,7 +263,7 @@ fn a_crash_at_every_step_of_a_save_is_recovered_by_the_next_run() {
     let fp_b = line_with(&out, "saving").unwrap()[0].to_string();
     for k in 1..=steps.len() + 1 {
         let work = root.0.join(format!("k{k}"));
-        copy_tree(&base, &work);
+        common::copy_tree(&base, &work);
         let w = work.to_str().unwrap();
         let (ok, out, err) = faults(&["resume", w, "1"], &[("IVME_CRASH_AT", k.to_string())]);
         let what = format!(

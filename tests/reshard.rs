@@ -71,20 +71,6 @@ fn save_on_two(sharding: &str, root: &Path, extra: &[&str]) -> PathBuf {
     project
 }
 
-/// Copies a project folder, so each resume starts from the same checkpoint untouched.
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for e in std::fs::read_dir(from).unwrap() {
-        let e = e.unwrap();
-        let dst = to.join(e.file_name());
-        if e.file_type().unwrap().is_dir() {
-            copy_dir(&e.path(), &dst);
-        } else {
-            std::fs::copy(e.path(), dst).unwrap();
-        }
-    }
-}
-
 #[test]
 fn training_resumed_on_one_or_three_processes_continues_over_the_unused_samples() {
     let root = common::Scratch::new("reshard-train");
@@ -131,7 +117,7 @@ fn training_resumed_on_one_or_three_processes_continues_over_the_unused_samples(
         for &(n, b, stage) in resumes {
             let what = format!("saved on 2 × 3 ({saved_as}), resumed on {n} × {b} ({stage})");
             let project = root.0.join(format!("r-{saved_as}-{n}-{b}-{stage}"));
-            copy_dir(&saved, &project);
+            common::copy_tree(&saved, &project);
             let steps = if b == 3 { 5 } else { 6 };
             let mut args = base(b, stage, &project);
             args.extend(["resume=1".to_string(), format!("steps={steps}")]);
@@ -233,7 +219,7 @@ fn the_state_loaded_on_another_layout_is_the_saved_state_exactly() {
         for (n, stage) in [(1usize, "no"), (3, "optimizer"), (3, "gradients")] {
             let what = format!("saved on 2 ({saved_as}), loaded on {n} ({stage})");
             let project = root.0.join(format!("x-{saved_as}-{n}-{stage}"));
-            copy_dir(&project_of(&saved), &project);
+            common::copy_tree(&project_of(&saved), &project);
             let again = root.0.join(format!("again-{saved_as}-{n}-{stage}"));
             let mut args = base(6 / n, stage, &project);
             args.extend([
@@ -447,7 +433,7 @@ fn an_fp16_run_moves_with_its_loss_scale() {
     let scaler = json(&saved.join("rank0/training.json"))["scaler"].clone();
     assert!(scaler["scale"].as_f64().is_some(), "{scaler}");
     let moved = root.0.join("moved");
-    copy_dir(&project, &moved);
+    common::copy_tree(&project, &moved);
     let again = root.0.join("again");
     let mut args = base(2, "optimizer", &moved);
     args.extend(

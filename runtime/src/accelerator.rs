@@ -282,22 +282,14 @@ impl Accelerator {
         norm_type: f64,
     ) -> Result<Option<f64>> {
         self.refuse_when_sharded("clip_grad_norm")?;
-        let vars: Vec<Var> = self
-            .models
-            .iter()
-            .flat_map(|m| m.master.iter().cloned())
-            .collect();
+        let vars = self.master_vars();
         grads.clip_norm(&vars, max_norm, norm_type)
     }
 
     /// Clamps synced gradients to `[-limit, limit]`.
     pub fn clip_grad_value(&self, grads: &mut Gradients, limit: f64) -> Result<()> {
         self.refuse_when_sharded("clip_grad_value")?;
-        let vars: Vec<Var> = self
-            .models
-            .iter()
-            .flat_map(|m| m.master.iter().cloned())
-            .collect();
+        let vars = self.master_vars();
         grads.clip_value(&vars, limit)
     }
 
@@ -315,6 +307,15 @@ impl Accelerator {
     pub fn autocast_scope(&self) -> Autocast {
         let dtype = self.mixed.autocast_dtype();
         Autocast::new(dtype)
+    }
+
+    /// Every prepared model's f32 master variables, model by model in name order: what
+    /// clipping measures.
+    pub(crate) fn master_vars(&self) -> Vec<Var> {
+        self.models
+            .iter()
+            .flat_map(|m| m.master.iter().cloned())
+            .collect()
     }
 
     /// The prepared models' variables by name: (name, f32 master) pairs, sorted by name.

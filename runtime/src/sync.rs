@@ -22,7 +22,6 @@ use crate::config::Sharding;
 use crate::error::Result;
 use crate::grads::Gradients;
 use candle_core::backprop::GradStore;
-use candle_core::Var;
 
 /// The gradient-sync strategy of a run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -103,11 +102,7 @@ impl Accelerator {
         if self.clip_norm.is_none() && self.clip_value.is_none() {
             return Ok(());
         }
-        let vars: Vec<Var> = self
-            .models
-            .iter()
-            .flat_map(|m| m.master.iter().cloned())
-            .collect();
+        let vars = self.master_vars();
         if let Some(n) = self.clip_norm {
             grads.clip_norm(&vars, n, 2.0)?;
         }
