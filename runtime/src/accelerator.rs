@@ -5,13 +5,13 @@ use crate::autocast::{Autocast, AutocastOutput};
 use crate::comm::{Communicator, Counted};
 use crate::config::Precision;
 use crate::error::{Error, Result};
-use crate::grads::{GradientState, Gradients, MicroStep, ParamSet};
+use crate::grads::{GradientState, Gradients, MicroStep};
 use crate::optim::{AcceleratedOptimizer, StatefulOptimizer};
 use crate::prepare::Prepare;
 use crate::rng::{mix, Rng};
 use crate::scaler::LossScaler;
 use crate::state::ProcessState;
-use crate::stateful::{Shared, Stateful};
+use crate::stateful::Shared;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 
@@ -29,30 +29,22 @@ use std::sync::Arc;
 /// # Ok(()) }
 /// ```
 pub struct Accelerator {
+    /// Who this process is, and on which device.
     pub(crate) state: ProcessState,
+    /// The communicator for that device (the identity in a world of one), counted.
     pub(crate) comm: Counted,
+    /// How windows end: the sync strategy, bucket size and clipping (sync.rs).
+    pub(crate) sync: crate::sync::SyncSettings,
     /// Mixed precision: policy, loss scaler, NaN-loss guard, exact initial values.
     pub(crate) mixed: crate::precision::MixedPrecision,
-    pub(crate) clip_norm: Option<f64>,
-    pub(crate) clip_value: Option<f64>,
-    pub(crate) seed: u64,
-    pub(crate) bucket_bytes: usize,
-    pub(crate) models: Vec<ParamSet>,
-    pub(crate) optimizers: Vec<Box<dyn crate::optim::accelerated::PreparedSlot>>,
-    pub(crate) rng: Shared<Rng>,
-    pub(crate) loaders: Vec<Shared<crate::data::LoaderPosition>>,
-    pub(crate) registered: Vec<Box<dyn Stateful>>,
-    pub(crate) project: Option<crate::checkpoint::ProjectConfiguration>,
-    /// Checkpoint folders this job writes (held from the first automatic save until drop).
-    pub(crate) checkpoint_locks: Vec<crate::checkpoint::FolderLock>,
+    /// The prepared models and optimizers and the accumulation window (training.rs).
+    pub(crate) training: crate::training::Training,
+    /// The generator, the loaders' positions and the attribute's loop cursor.
+    pub(crate) data: crate::data::DataProgress,
+    /// The project folder, locks, background saves and registered objects.
+    pub(crate) checkpoints: crate::checkpoint::Checkpointing,
+    /// Experiment trackers, once `init_trackers` ran.
     pub(crate) trackers: Shared<Option<crate::tracking::Trackers>>,
-    pub(crate) grad_state: Arc<GradientState>,
-    /// Where the attribute's loops over plain collections stand (saved with the state).
-    pub(crate) loop_cursor: Shared<crate::macro_support::LoopCursor>,
-    /// Asynchronous saves: the one being written in the background and its host buffers.
-    pub(crate) background: crate::checkpoint::background::BackgroundSaves,
-    /// How much of the training state this process holds (shard.rs).
-    pub(crate) sharding: crate::config::Sharding,
 }
 
 impl std::fmt::Debug for Accelerator {
@@ -61,9 +53,9 @@ impl std::fmt::Debug for Accelerator {
             .field("state", &self.state)
             .field("comm", &self.comm)
             .field("precision", &self.mixed.policy())
-            .field("grad_accum", &self.grad_state.accum())
-            .field("models", &self.models.len())
-            .field("optimizers", &self.optimizers.len())
+            .field("grad_accum", &self.training.window().accum())
+            .field("models", &self.training.models().len())
+            .field("optimizers", &self.training.optimizers().len())
             .finish()
     }
 }
@@ -113,15 +105,15 @@ impl Accelerator {
     }
     /// The seed given to the builder (0 by default).
     pub fn seed(&self) -> u64 {
-        self.seed
+        self.data.seed()
     }
     /// Micro-batches per optimizer step.
     pub fn gradient_accumulation_steps(&self) -> usize {
-        self.grad_state.accum()
+        self.training.window().accum()
     }
     /// Whether the next backward ends an accumulation window (a real optimizer step).
     pub fn sync_gradients(&self) -> bool {
-        self.grad_state.peek().sync
+        self.training.window().peek().sync
     }
     /// The communicator, for collectives of your own.
     pub fn comm(&self) -> &dyn Communicator {
@@ -189,39 +181,39 @@ impl Accelerator {
         } else {
             u64::MAX
         };
-        *self.rng.lock() = Rng::new(mix(seed, stream));
+        *self.data.rng().lock() = Rng::new(mix(seed, stream));
     }
 
     /// This process's seeded generator for anything random that must resume exactly
     /// (dropout masks, augmentation); saved and restored with the training state.
     pub fn rng(&self) -> Shared<Rng> {
-        self.rng.clone()
+        self.data.rng().clone()
     }
 
     /// The gradient state shared with prepared data loaders.
     pub(crate) fn gradient_state(&self) -> Arc<GradientState> {
-        self.grad_state.clone()
+        self.training.window().clone()
     }
 
     /// The position of the attribute's loops over plain collections.
     pub(crate) fn loop_cursor(&self) -> Shared<crate::macro_support::LoopCursor> {
-        self.loop_cursor.clone()
+        self.data.loop_cursor().clone()
     }
 
     /// Reports that batch `index` of `batches_in_epoch` is next, for hand-made data sources:
     /// windows then end exactly where the data does.
     pub fn micro_step(&self, index: usize, batches_in_epoch: usize) {
         use crate::data::StepObserver;
-        self.grad_state.on_batch(index, batches_in_epoch, 0);
+        self.training.window().on_batch(index, batches_in_epoch, 0);
     }
 
     /// Computes gradients of `loss`: scaled for fp16 and for its accumulation window,
     /// summed over the window, then (on the window's last micro-batch) averaged across
     /// processes, unscaled and clipped. Pass the result to a prepared optimizer's `step`.
     pub fn backward(&mut self, loss: &Tensor) -> Result<Gradients> {
-        if self.models.is_empty()
+        if self.training.models().is_empty()
             && (self.state.world_size > 1
-                || self.grad_state.accum() > 1
+                || self.training.window().accum() > 1
                 || self.mixed.scales_loss())
         {
             return Err(Error::Prepare(
@@ -230,7 +222,7 @@ impl Accelerator {
                     .into(),
             ));
         }
-        let MicroStep { window, sync } = self.grad_state.for_backward();
+        let MicroStep { window, sync } = self.training.window().for_backward();
         let scale = self.mixed.loss_scale();
         // Each micro-batch counts 1/window of its window's mean; the scale is undone after sync.
         let store = self.scaled_backward(loss, scale / window as f64)?;
@@ -267,7 +259,8 @@ impl Accelerator {
     /// Adds this micro-batch's gradients to each model's window sums; says which models the
     /// loss reached.
     fn accumulate(&mut self, store: &GradStore) -> Result<Vec<bool>> {
-        self.models
+        self.training
+            .models_mut()
             .iter_mut()
             .map(|m| m.accumulate(store))
             .collect()
@@ -312,17 +305,11 @@ impl Accelerator {
     /// Every prepared model's f32 master variables, model by model in name order: what
     /// clipping measures.
     pub(crate) fn master_vars(&self) -> Vec<Var> {
-        self.models
-            .iter()
-            .flat_map(|m| m.master.iter().cloned())
-            .collect()
+        self.training.master_vars()
     }
 
     /// The prepared models' variables by name: (name, f32 master) pairs, sorted by name.
     pub fn named_master_vars(&self) -> Vec<(String, Var)> {
-        self.models
-            .iter()
-            .flat_map(|m| m.names.iter().cloned().zip(m.master.iter().cloned()))
-            .collect()
+        self.training.named_master_vars()
     }
 }

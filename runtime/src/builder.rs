@@ -6,12 +6,9 @@ use crate::comm::{self, CommOptions, Counted};
 use crate::config::{resolve, resolve_with, Precision};
 use crate::env;
 use crate::error::{Error, Result};
-use crate::grads::GradientState;
-use crate::rng::{mix, Rng};
 use crate::state::{select_device, EnvLayout, ProcessState};
 use crate::stateful::Shared;
 use candle_core::{DType, Device, Tensor};
-use std::sync::Arc;
 use std::time::Duration;
 
 /// Settings for an [`Accelerator`]; anything left unset comes from the launcher's
@@ -231,27 +228,21 @@ impl AcceleratorBuilder {
                 eprintln!("{w}");
             }
         }
+        let seed = self.seed.unwrap_or(0);
         Ok(Accelerator {
-            grad_state: Arc::new(GradientState::new(grad_accum.value)),
             state,
             comm: Counted::new(comm),
+            sync: crate::sync::SyncSettings::new(
+                sharding.value,
+                self.bucket_mb.unwrap_or(25).max(1) << 20,
+                self.clip_grad_norm,
+                self.clip_grad_value,
+            ),
             mixed: crate::precision::MixedPrecision::new(precision.value, self.initial_loss_scale),
-            clip_norm: self.clip_grad_norm,
-            clip_value: self.clip_grad_value,
-            seed: self.seed.unwrap_or(0),
-            bucket_bytes: self.bucket_mb.unwrap_or(25).max(1) << 20,
-            models: Vec::new(),
-            optimizers: Vec::new(),
-            loaders: Vec::new(),
-            registered: Vec::new(),
-            project,
-            checkpoint_locks: Vec::new(),
-            loop_cursor: Shared::new(Default::default()),
-            sharding: sharding.value,
-            background: crate::checkpoint::background::BackgroundSaves::new(self.async_checkpoints),
+            training: crate::training::Training::new(grad_accum.value),
+            data: crate::data::DataProgress::new(seed, rank),
+            checkpoints: crate::checkpoint::Checkpointing::new(project, self.async_checkpoints),
             trackers: Shared::new(None),
-            // Rank-specific streams: dropout on different data must not share masks.
-            rng: Shared::new(Rng::new(mix(self.seed.unwrap_or(0), rank as u64))),
         })
     }
 }

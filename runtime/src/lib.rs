@@ -62,6 +62,7 @@ pub mod state;
 pub mod stateful;
 mod sync;
 pub mod tracking;
+mod training;
 mod window;
 
 #[doc(hidden)]

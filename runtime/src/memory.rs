@@ -36,7 +36,7 @@ impl Accelerator {
     /// optimizer's state copies it once, so call this between steps, not in a hot loop.
     pub fn held_bytes(&self) -> Result<HeldBytes> {
         let mut held = HeldBytes::default();
-        for m in &self.models {
+        for m in self.training.models() {
             held.weights += m
                 .compute
                 .iter()
@@ -59,7 +59,7 @@ impl Accelerator {
             held.gradients += m.sums.iter().flatten().map(bytes).sum::<usize>();
             held.gradients += m.buffers.bytes();
         }
-        for o in &self.optimizers {
+        for o in self.training.optimizers() {
             held.optimizer += o
                 .state_dict()?
                 .tensors

@@ -131,7 +131,11 @@ impl Accelerator {
     /// # Ok(()) }
     /// ```
     pub fn gather_for_metrics(&self, t: &Tensor) -> Result<Tensor> {
-        self.gather_dropping("gather_for_metrics", t, self.grad_state.last_padding())
+        self.gather_dropping(
+            "gather_for_metrics",
+            t,
+            self.training.window().last_padding(),
+        )
     }
 
     fn gather_dropping(&self, what: &str, t: &Tensor, drop: usize) -> Result<Tensor> {

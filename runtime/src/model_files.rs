@@ -17,7 +17,7 @@ impl Accelerator {
         // Under sharding the f32 masters are put together from every process's slice (the
         // model's weights may be rounded to the compute dtype).
         let mut tensors: Vec<(String, Tensor)> = Vec::new();
-        for m in &self.models {
+        for m in self.training.models() {
             let values = match &m.shard {
                 Some(s) => s.gathered(&self.comm, &m.compute)?,
                 None => m.master.iter().map(|v| v.as_tensor().clone()).collect(),
@@ -39,9 +39,9 @@ impl Accelerator {
     pub fn load_model(&self, path: &Path) -> Result<LoadReport> {
         // Under sharding no process holds whole masters: f32 stand-ins, starting from the
         // current weights, receive the file's values.
-        let mut standins: Vec<Option<Vec<Var>>> = Vec::with_capacity(self.models.len());
+        let mut standins: Vec<Option<Vec<Var>>> = Vec::with_capacity(self.training.models().len());
         let mut vars = Vec::new();
-        for m in &self.models {
+        for m in self.training.models() {
             match &m.shard {
                 Some(_) => {
                     let whole = m
@@ -59,7 +59,7 @@ impl Accelerator {
             }
         }
         let report = load_checkpoint_in_model(&vars, path, self.device())?;
-        for (m, whole) in self.models.iter().zip(standins) {
+        for (m, whole) in self.training.models().iter().zip(standins) {
             match (&m.shard, whole) {
                 (Some(shard), Some(whole)) => {
                     shard.reslice(&whole)?;

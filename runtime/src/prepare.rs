@@ -58,7 +58,7 @@ impl<D: Dataset> Prepare for DataLoader<D> {
             accelerator.device().clone(),
             Some(observer),
         )?;
-        accelerator.loaders.push(position);
+        accelerator.data.add_loader(position);
         Ok(self)
     }
 }

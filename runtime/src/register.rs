@@ -17,7 +17,7 @@ use candle_nn::VarMap;
 impl Accelerator {
     pub(crate) fn find_model(&self, varmap: &VarMap) -> Option<usize> {
         let first = varmap.all_vars().into_iter().next()?;
-        self.models.iter().position(|m| {
+        self.training.models().iter().position(|m| {
             m.compute
                 .iter()
                 .any(|v| v.as_tensor().id() == first.as_tensor().id())
@@ -69,7 +69,7 @@ impl Accelerator {
                 None => var.as_tensor().to_dtype(DType::F32)?,
             };
             let value = self.comm.broadcast(&value, 0)?;
-            let m = if self.sharding != crate::Sharding::No {
+            let m = if self.sync.sharding() != crate::Sharding::No {
                 // The masters are this rank's pieces (below); the model's weights stand in.
                 if self.state.world_size > 1 {
                     var.set(&value.to_dtype(dt)?)?;
@@ -91,14 +91,18 @@ impl Accelerator {
             master.push(m);
         }
         let sums = vec![None; names.len()];
-        let shard = if self.sharding == crate::Sharding::No {
+        let shard = if self.sync.sharding() == crate::Sharding::No {
             None
         } else {
             let sizes: Vec<usize> = compute.iter().map(|v| v.elem_count()).collect();
             let plan = crate::shard::Plan::new(&sizes, self.state.world_size, self.state.rank);
-            Some(crate::shard::Sharded::new(self.sharding, plan, &full)?)
+            Some(crate::shard::Sharded::new(
+                self.sync.sharding(),
+                plan,
+                &full,
+            )?)
         };
-        self.models.push(ParamSet {
+        self.training.add_model(ParamSet {
             names,
             compute,
             master,
@@ -114,14 +118,14 @@ impl Accelerator {
         &mut self,
         mut opt: O,
     ) -> Result<AcceleratedOptimizer<O>> {
-        if self.sharding != crate::Sharding::No {
+        if self.sync.sharding() != crate::Sharding::No {
             return self.wrap_sharded_optimizer(opt);
         }
         let mut masters = Vec::with_capacity(opt.vars().len());
         let mut copies = Vec::new();
         for v in opt.vars() {
             let id = v.as_tensor().id();
-            let found = self.models.iter().find_map(|m| {
+            let found = self.training.models().iter().find_map(|m| {
                 m.compute
                     .iter()
                     .position(|c| c.as_tensor().id() == id)
@@ -148,7 +152,7 @@ impl Accelerator {
             .map(|v| self.name_of(v).unwrap_or_default())
             .collect();
         let shared = Shared::new(opt);
-        self.optimizers.push(Box::new(OptimizerSlot {
+        self.training.add_optimizer(Box::new(OptimizerSlot {
             opt: shared.clone(),
             names,
         }));
@@ -157,7 +161,7 @@ impl Accelerator {
 
     fn name_of(&self, var: &Var) -> Option<String> {
         let id = var.as_tensor().id();
-        self.models.iter().find_map(|m| {
+        self.training.models().iter().find_map(|m| {
             m.master
                 .iter()
                 .position(|v| v.as_tensor().id() == id)
@@ -173,7 +177,8 @@ impl Accelerator {
     ) -> Result<AcceleratedOptimizer<O>> {
         let ids: Vec<_> = opt.vars().iter().map(|v| v.as_tensor().id()).collect();
         let Some(k) = self
-            .models
+            .training
+            .models()
             .iter()
             .position(|m| m.compute.iter().any(|c| ids.contains(&c.as_tensor().id())))
         else {
@@ -183,7 +188,7 @@ impl Accelerator {
                     .into(),
             ));
         };
-        let m = &mut self.models[k];
+        let m = &mut self.training.models_mut()[k];
         let whole = ids.len() == m.compute.len()
             && m.compute.iter().all(|c| ids.contains(&c.as_tensor().id()));
         if !whole {
@@ -214,7 +219,7 @@ impl Accelerator {
             candle_nn::Optimizer::step(&mut *stepped.lock(), g)?;
             Ok(())
         }));
-        self.optimizers.push(Box::new(OptimizerSlot {
+        self.training.add_optimizer(Box::new(OptimizerSlot {
             opt: shared.clone(),
             names,
         }));

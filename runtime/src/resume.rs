@@ -40,13 +40,13 @@ impl Accelerator {
     /// Sets where automatically named checkpoints go and how many are kept.
     pub fn set_project_configuration(&mut self, config: ProjectConfiguration) -> Result<()> {
         config.validate()?;
-        self.project = Some(config);
+        self.checkpoints.set_project(config);
         Ok(())
     }
 
     /// The project configuration, if one was set.
     pub fn project_configuration(&self) -> Option<&ProjectConfiguration> {
-        self.project.as_ref()
+        self.checkpoints.project()
     }
 
     /// Saves and restores `object` with the training state; returns the handle to use it by.
@@ -54,7 +54,7 @@ impl Accelerator {
     /// before loading.
     pub fn register_for_checkpointing<T: Stateful + 'static>(&mut self, object: T) -> Shared<T> {
         let shared = Shared::new(object);
-        self.registered.push(Box::new(shared.clone()));
+        self.checkpoints.register(Box::new(shared.clone()));
         shared
     }
 
@@ -95,8 +95,8 @@ impl Accelerator {
         let mut components = Vec::new();
         // Without sharding the masters and optimizer state are the same everywhere and rank 0
         // writes them; under sharding every rank writes its slice (nothing is gathered).
-        if self.is_main_process() || self.sharding != Sharding::No {
-            for (i, m) in self.models.iter().enumerate() {
+        if self.is_main_process() || self.sync.sharding() != Sharding::No {
+            for (i, m) in self.training.models().iter().enumerate() {
                 let tensors = match &m.shard {
                     Some(s) => s
                         .plan
@@ -131,11 +131,11 @@ impl Accelerator {
                     },
                 });
             }
-            for (i, o) in self.optimizers.iter().enumerate() {
+            for (i, o) in self.training.optimizers().iter().enumerate() {
                 components.push(component(Kind::Optimizer.name(i), o.state_dict()?));
             }
         }
-        for (i, l) in self.loaders.iter().enumerate() {
+        for (i, l) in self.data.loaders().iter().enumerate() {
             components.push(Component {
                 name: Kind::Loader.name(i),
                 tensors: vec![],
@@ -145,11 +145,11 @@ impl Accelerator {
         components.push(Component {
             name: names::RNG.into(),
             tensors: vec![],
-            json: serde_json::to_value(self.rng.lock().state())?,
+            json: serde_json::to_value(self.data.rng().lock().state())?,
         });
         // Partial sums of a window saved mid-way are this rank's own.
         let mut sums = Vec::new();
-        for (i, m) in self.models.iter().enumerate() {
+        for (i, m) in self.training.models().iter().enumerate() {
             for (name, s) in m.names.iter().zip(&m.sums) {
                 if let Some(s) = s {
                     sums.push((format!("{i}::{name}"), s.clone()));
@@ -160,13 +160,13 @@ impl Accelerator {
             name: names::TRAINING.into(),
             tensors: sums,
             json: json!({
-                "auto_micro_step": self.grad_state.auto_index(),
-                "macro_loop": self.loop_cursor.lock().position(),
+                "auto_micro_step": self.training.window().auto_index(),
+                "macro_loop": self.data.loop_cursor().lock().position(),
                 "scaler": self.mixed.scaler(),
-                "checkpoints_saved": self.project.as_ref().map(|p| p.iteration),
+                "checkpoints_saved": self.checkpoints.project().map(|p| p.iteration),
             }),
         });
-        for (i, r) in self.registered.iter().enumerate() {
+        for (i, r) in self.checkpoints.registered().iter().enumerate() {
             components.push(component(Kind::Custom.name(i), r.state_dict()?));
         }
         Ok(RankState { components })
@@ -189,7 +189,7 @@ impl Accelerator {
     /// [`save_state_async`](Self::save_state_async): it returns the folder it *will* commit.
     /// Otherwise it first finishes a save still running in the background.
     pub fn save_state(&mut self, dir: Option<&Path>) -> Result<PathBuf> {
-        if self.background.by_default {
+        if self.checkpoints.background().by_default {
             return self.save_state_async(dir);
         }
         self.wait_for_checkpoint()?;
@@ -209,8 +209,8 @@ impl Accelerator {
         // Every rank checks the request, so a bad one fails everywhere instead of leaving
         // the other ranks waiting for rank 0's path.
         let auto = self
-            .project
-            .as_ref()
+            .checkpoints
+            .project()
             .filter(|p| p.automatic_checkpoint_naming);
         if dir.is_none() && auto.is_none() {
             return Err(Error::Usage(
@@ -233,12 +233,13 @@ impl Accelerator {
     /// What the manifest records about the state as it is now.
     pub(crate) fn manifest_meta(&self) -> ManifestMeta {
         let counts: Vec<Vec<usize>> = self
-            .models
+            .training
+            .models()
             .iter()
             .filter_map(|m| m.shard.as_ref().map(|s| s.plan.counts.clone()))
             .collect();
         let layout = Layout {
-            sharding: self.sharding.to_string(),
+            sharding: self.sync.sharding().to_string(),
             world_size: self.num_processes(),
             counts,
         };
@@ -269,8 +270,7 @@ impl Accelerator {
         }
         let committed = if self.is_main_process() {
             store::commit(tmp, target, meta).and_then(|_| {
-                if let Some(p) = &mut self.project {
-                    p.iteration += 1;
+                if let Some(p) = self.checkpoints.count_committed() {
                     if let Some(limit) = p.total_limit {
                         rotate(&p.checkpoints_dir(), limit)?;
                     }
@@ -278,9 +278,7 @@ impl Accelerator {
                 Ok(())
             })
         } else {
-            if let Some(p) = &mut self.project {
-                p.iteration += 1;
-            }
+            self.checkpoints.count_committed();
             Ok(())
         };
         self.agree("committing the checkpoint", committed)
@@ -294,7 +292,7 @@ impl Accelerator {
     /// Accelerator is dropped; a save to an explicit folder takes no lock but is refused when
     /// another job holds the folder it would be written into.
     fn prepare_save(&mut self, dir: Option<&Path>) -> Result<(PathBuf, PathBuf)> {
-        let parent = match (dir, &self.project) {
+        let parent = match (dir, self.checkpoints.project()) {
             (Some(d), _) => parent_of(d),
             (None, Some(p)) => p.checkpoints_dir(),
             (None, None) => return Err(Error::Usage("no checkpoint folder".into())),
@@ -302,17 +300,12 @@ impl Accelerator {
         std::fs::create_dir_all(&parent)
             .map_err(|e| Error::io(format!("creating {}", parent.display()), e))?;
         if dir.is_none() {
-            let key = parent
-                .canonicalize()
-                .map_err(|e| Error::io(format!("resolving {}", parent.display()), e))?;
-            if !self.checkpoint_locks.iter().any(|l| l.dir() == key) {
-                self.checkpoint_locks.push(FolderLock::acquire(&parent)?);
-            }
+            self.checkpoints.hold_lock(&parent)?;
         } else {
             FolderLock::check_free(&parent)?;
         }
         store::clean_stale(&parent)?;
-        let target = match (dir, &self.project) {
+        let target = match (dir, self.checkpoints.project()) {
             (Some(d), _) => d.to_path_buf(),
             (None, Some(p)) => p.next_checkpoint_dir()?,
             (None, None) => unreachable!("checked above"),
@@ -356,7 +349,7 @@ impl Accelerator {
     }
 
     fn optimizer_steps(&self) -> u64 {
-        self.optimizers.first().map_or(0, |o| o.steps())
+        self.training.steps()
     }
 
     /// Restores the state saved by [`save_state`](Self::save_state) from `dir`, or (with
@@ -373,7 +366,7 @@ impl Accelerator {
     pub fn load_state(&mut self, dir: Option<&Path>) -> Result<PathBuf> {
         // A save still being written must land first: it may be the one asked for.
         self.wait_for_checkpoint()?;
-        let dir = match (dir, self.project.clone()) {
+        let dir = match (dir, self.checkpoints.project().cloned()) {
             (Some(d), _) => {
                 let chosen = if self.is_main_process() {
                     // Each rank checks every file it reads against the manifest while loading.
@@ -451,7 +444,7 @@ impl Accelerator {
     /// ```
     pub fn load_state_if_any(&mut self) -> Result<Option<PathBuf>> {
         self.wait_for_checkpoint()?;
-        let Some(project) = self.project.clone() else {
+        let Some(project) = self.checkpoints.project().cloned() else {
             return Err(Error::Usage(
                 "load_state_if_any needs a ProjectConfiguration to find checkpoints; set one with \
                  set_project_configuration (or project_dir)"

@@ -315,13 +315,19 @@ impl Accelerator {
     ) -> Result<(GradStore, bool, Option<f64>)> {
         let mut store = GradStore::default();
         let check = self.mixed.scales_loss();
-        let need_norm = self.clip_norm.is_some();
+        let need_norm = self.sync.clip_norm().is_some();
         let (mut overflow, mut squares) = (false, 0.0);
-        for (m, _) in self.models.iter_mut().zip(touched).filter(|(_, t)| **t) {
+        for (m, _) in self
+            .training
+            .models_mut()
+            .iter_mut()
+            .zip(touched)
+            .filter(|(_, t)| **t)
+        {
             let p = m.take_sharded(
                 &self.comm,
                 position,
-                self.bucket_bytes,
+                self.sync.bucket_bytes(),
                 inv_scale,
                 check,
                 need_norm,
@@ -332,7 +338,7 @@ impl Accelerator {
         }
         // One small collective for what the slices cannot know alone: the global norm, and
         // (stage 2) whether any slice overflowed.
-        let stage2 = self.sharding == Sharding::Gradients;
+        let stage2 = self.sync.sharding() == Sharding::Gradients;
         if self.state.world_size > 1 && (need_norm || (stage2 && check)) {
             let local = Tensor::new(
                 &[squares as f32, if overflow { 1.0 } else { 0.0 }],
@@ -349,17 +355,23 @@ impl Accelerator {
         if overflow {
             return Ok((store, true, norm));
         }
-        if let (Some(max), Some(total)) = (self.clip_norm, norm) {
+        if let (Some(max), Some(total)) = (self.sync.clip_norm(), norm) {
             // The same coefficient as the unsharded clip: max / (norm + 1e-6), at most 1.
             let coef = (max / (total + 1e-6)).min(1.0);
             if coef < 1.0 {
-                scale_all(&mut store, &self.models, |g| g * coef)?;
+                scale_all(&mut store, self.training.models(), |g| g * coef)?;
             }
         }
-        if let Some(v) = self.clip_value {
-            scale_all(&mut store, &self.models, |g| g.clamp(-v, v))?;
+        if let Some(v) = self.sync.clip_value() {
+            scale_all(&mut store, self.training.models(), |g| g.clamp(-v, v))?;
         }
-        for (m, _) in self.models.iter_mut().zip(touched).filter(|(_, t)| **t) {
+        for (m, _) in self
+            .training
+            .models_mut()
+            .iter_mut()
+            .zip(touched)
+            .filter(|(_, t)| **t)
+        {
             let shard = m.shard.as_mut().expect("a sharded model");
             let Some(step) = shard.stepper.as_mut() else {
                 return Err(Error::Prepare(
@@ -378,13 +390,13 @@ impl Accelerator {
 impl Accelerator {
     /// Refuses a call that cannot work once the optimizer step happens inside `backward`.
     pub(crate) fn refuse_when_sharded(&self, what: &str) -> Result<()> {
-        if self.sharding == Sharding::No {
+        if self.sync.sharding() == Sharding::No {
             return Ok(());
         }
         Err(Error::Usage(format!(
             "`{what}` is not available with sharding = {}: the optimizer step happens inside \
              `backward`, on this process's slice; {}",
-            self.sharding,
+            self.sync.sharding(),
             match what {
                 "clip_grad_norm" | "clip_grad_value" => {
                     "set clipping on the builder (`.clip_grad_norm(x)`, `.clip_grad_value(x)`) \

@@ -42,12 +42,59 @@ impl Strategy {
     }
 }
 
+/// How windows end, as the builder set it: the strategy's stage, the all-reduce bucket size
+/// and the clipping applied to every window's gradients.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SyncSettings {
+    sharding: Sharding,
+    bucket_bytes: usize,
+    clip_norm: Option<f64>,
+    clip_value: Option<f64>,
+}
+
+impl SyncSettings {
+    /// The settings of a run.
+    pub(crate) fn new(
+        sharding: Sharding,
+        bucket_bytes: usize,
+        clip_norm: Option<f64>,
+        clip_value: Option<f64>,
+    ) -> Self {
+        SyncSettings {
+            sharding,
+            bucket_bytes,
+            clip_norm,
+            clip_value,
+        }
+    }
+    /// How much of the training state each process holds.
+    pub(crate) fn sharding(&self) -> Sharding {
+        self.sharding
+    }
+    /// The strategy that ends a window.
+    pub(crate) fn strategy(&self) -> Strategy {
+        Strategy::of(self.sharding)
+    }
+    /// Bytes per all-reduce bucket.
+    pub(crate) fn bucket_bytes(&self) -> usize {
+        self.bucket_bytes
+    }
+    /// The global-norm limit every window is clipped to, if any.
+    pub(crate) fn clip_norm(&self) -> Option<f64> {
+        self.clip_norm
+    }
+    /// The value limit every window is clamped to, if any.
+    pub(crate) fn clip_value(&self) -> Option<f64> {
+        self.clip_value
+    }
+}
+
 impl Accelerator {
     /// Ends the window on its last micro-batch: the gradients the optimizer gets, whether
     /// fp16 overflowed and (when clipping measured it) the global norm.
     pub(crate) fn end_window(&mut self, touched: &[bool], inv_scale: f64) -> Result<Gradients> {
-        let position = self.grad_state.position();
-        match Strategy::of(self.sharding) {
+        let position = self.training.window().position();
+        match self.sync.strategy() {
             Strategy::Sharded => {
                 let (store, overflow, norm) = self.step_sharded(touched, position, inv_scale)?;
                 Ok(Gradients::synced(store, overflow).with_norm(norm))
@@ -58,11 +105,17 @@ impl Accelerator {
                 // Only the models this loss reached end their window here: another model
                 // trained in the same micro-step (a second loss, a GAN's other half) ends it at
                 // its own backward.
-                for (m, _) in self.models.iter_mut().zip(touched).filter(|(_, t)| **t) {
+                for (m, _) in self
+                    .training
+                    .models_mut()
+                    .iter_mut()
+                    .zip(touched)
+                    .filter(|(_, t)| **t)
+                {
                     overflow |= m.take_synced(
                         &self.comm,
                         position,
-                        self.bucket_bytes,
+                        self.sync.bucket_bytes(),
                         inv_scale,
                         self.mixed.scales_loss(),
                         &mut out,
@@ -81,11 +134,12 @@ impl Accelerator {
     /// them: replicated over the identity communicator, no loss scale, no low-precision copies
     /// and nothing summed from earlier micro-batches.
     pub(crate) fn passes_through(&self) -> bool {
-        Strategy::of(self.sharding) == Strategy::Replicated
+        self.sync.strategy() == Strategy::Replicated
             && self.comm.world_size() == 1
             && !self.mixed.scales_loss()
             && self
-                .models
+                .training
+                .models()
                 .iter()
                 .all(|m| !m.has_copies() && m.sums.iter().all(Option::is_none))
     }
@@ -99,14 +153,14 @@ impl Accelerator {
 
     /// Clips synced, replicated gradients as the builder set: by the global norm, or by value.
     fn clip(&self, grads: &mut Gradients) -> Result<()> {
-        if self.clip_norm.is_none() && self.clip_value.is_none() {
+        if self.sync.clip_norm().is_none() && self.sync.clip_value().is_none() {
             return Ok(());
         }
         let vars = self.master_vars();
-        if let Some(n) = self.clip_norm {
+        if let Some(n) = self.sync.clip_norm() {
             grads.clip_norm(&vars, n, 2.0)?;
         }
-        if let Some(v) = self.clip_value {
+        if let Some(v) = self.sync.clip_value() {
             grads.clip_value(&vars, v)?;
         }
         Ok(())

@@ -32,7 +32,7 @@ impl Accelerator {
     pub fn accumulated_gradient(&self, var: &Var) -> Result<Option<Tensor>> {
         let id = var.as_tensor().id();
         let scale = self.mixed.loss_scale();
-        for m in &self.models {
+        for m in self.training.models() {
             let found = m
                 .compute
                 .iter()

@@ -296,7 +296,7 @@ impl Accelerator {
         let (target, tmp) = self.start_save(dir)?;
         let started = self
             .rank_state()
-            .and_then(|s| self.background.buffers.copy(s))
+            .and_then(|s| self.checkpoints.background_mut().buffers.copy(s))
             .and_then(|state| {
                 let meta = self.manifest_meta();
                 PendingSave::spawn(
@@ -314,7 +314,7 @@ impl Accelerator {
         };
         match self.agree("copying the state", outcome) {
             Ok(()) => {
-                self.background.pending = started;
+                self.checkpoints.background_mut().pending = started;
                 Ok(target)
             }
             Err(e) => {
@@ -334,7 +334,7 @@ impl Accelerator {
     /// (`None` when nothing was pending), or the error of any rank's write or of the commit,
     /// on every rank. Every rank must call it.
     pub fn wait_for_checkpoint(&mut self) -> Result<Option<PathBuf>> {
-        let Some(pending) = self.background.pending.take() else {
+        let Some(pending) = self.checkpoints.background_mut().pending.take() else {
             return Ok(None);
         };
         let (target, tmp, meta, wrote) = pending.join();
@@ -344,13 +344,17 @@ impl Accelerator {
 
     /// The folder a save running in the background will be committed to, if one is running.
     pub fn pending_checkpoint(&self) -> Option<&Path> {
-        self.background.pending.as_ref().map(|p| p.target.as_path())
+        self.checkpoints
+            .background()
+            .pending
+            .as_ref()
+            .map(|p| p.target.as_path())
     }
 
     /// Whether [`save_state`](Self::save_state) saves in the background (see
     /// [`AcceleratorBuilder::async_checkpoints`](crate::AcceleratorBuilder::async_checkpoints)).
     pub fn async_checkpoints(&self) -> bool {
-        self.background.by_default
+        self.checkpoints.background().by_default
     }
 }
 
@@ -364,7 +368,7 @@ impl Drop for Accelerator {
         let rank = self.process_index();
         if std::thread::panicking() {
             // Another rank may never get here, so no collective: the save is given up.
-            if let Some(pending) = self.background.pending.take() {
+            if let Some(pending) = self.checkpoints.background_mut().pending.take() {
                 let (_, tmp, _, _) = pending.join();
                 if self.is_main_process() {
                     let _ = store::abandon(&tmp);

@@ -35,7 +35,7 @@ impl Accelerator {
     /// Elements `from..to` of model `i`'s flat parameter space that this process loads: its
     /// slice under sharding, everything otherwise.
     fn wanted_range(&self, i: usize) -> (usize, usize) {
-        let m = &self.models[i];
+        let m = &self.training.models()[i];
         match &m.shard {
             Some(s) => (
                 s.plan.start,
@@ -50,7 +50,7 @@ impl Accelerator {
         if !layout.is_sharded() {
             return BTreeSet::from([0]);
         }
-        (0..self.models.len())
+        (0..self.training.models().len())
             .flat_map(|i| {
                 let (a, b) = self.wanted_range(i);
                 layout.ranks_holding(i, a, b)
@@ -75,8 +75,8 @@ impl Accelerator {
             };
             dir.join(format!("{rank}/{kind}.safetensors"))
         };
-        let mut models = Vec::with_capacity(self.models.len());
-        for i in 0..self.models.len() {
+        let mut models = Vec::with_capacity(self.training.models().len());
+        for i in 0..self.training.models().len() {
             let name = Kind::Model.name(i);
             let (mut runs, mut shapes) = (Runs::default(), Value::Null);
             for s in states.iter_mut() {
@@ -90,8 +90,8 @@ impl Accelerator {
             self.check_shapes(&files(&name), i, &shapes)?;
             models.push(self.assemble_model(&files(&name), i, runs, layout)?);
         }
-        let mut optimizers = Vec::with_capacity(self.optimizers.len());
-        for j in 0..self.optimizers.len() {
+        let mut optimizers = Vec::with_capacity(self.training.optimizers().len());
+        for j in 0..self.training.optimizers().len() {
             let name = Kind::Optimizer.name(j);
             let (mut runs, mut json) = (Runs::default(), None);
             for s in states.iter_mut() {
@@ -108,7 +108,7 @@ impl Accelerator {
 
     /// Refuses a sharded checkpoint whose recorded variable shapes differ from model `i`'s.
     fn check_shapes(&self, file: &Path, i: usize, shapes: &Value) -> Result<()> {
-        let m = &self.models[i];
+        let m = &self.training.models()[i];
         for (name, v) in m.names.iter().zip(&m.compute) {
             let Some(saved) = shapes.get(name) else {
                 continue;
@@ -140,7 +140,7 @@ impl Accelerator {
         mut runs: Runs,
         layout: &Layout,
     ) -> Result<Vec<Tensor>> {
-        let m = &self.models[i];
+        let m = &self.training.models()[i];
         if let Some(extra) = runs.keys().into_iter().find(|k| !m.names.contains(k)) {
             return Err(bad(
                 file,
@@ -205,7 +205,7 @@ impl Accelerator {
                     ),
                 ));
             };
-            let found = self.models.iter().find_map(|m| {
+            let found = self.training.models().iter().find_map(|m| {
                 let k = m.names.iter().position(|n| n == name)?;
                 Some((m, k))
             });
@@ -246,7 +246,7 @@ impl Accelerator {
     /// After a load into sharded models: every process's loaded slice is gathered into every
     /// process's model weights. Every rank calls it, after all of them applied the load.
     pub(crate) fn gather_loaded_slices(&self) -> Result<()> {
-        for m in &self.models {
+        for m in self.training.models() {
             if let Some(shard) = &m.shard {
                 shard.gather_into(&self.comm, &m.compute)?;
             }

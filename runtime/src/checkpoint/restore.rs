@@ -117,10 +117,10 @@ impl Counts {
 impl Accelerator {
     fn live_counts(&self) -> Counts {
         Counts {
-            models: self.models.len(),
-            optimizers: self.optimizers.len(),
-            loaders: self.loaders.len(),
-            registered: self.registered.len(),
+            models: self.training.models().len(),
+            optimizers: self.training.optimizers().len(),
+            loaders: self.data.loaders().len(),
+            registered: self.checkpoints.registered().len(),
         }
     }
 
@@ -130,11 +130,11 @@ impl Accelerator {
         let mut out = BTreeSet::from([names::RNG.to_string(), names::TRAINING.to_string()]);
         let n = |kind: Kind, k: usize| (0..k).map(move |i| kind.name(i));
         if rank == 0 || sharded {
-            out.extend(n(Kind::Model, self.models.len()));
-            out.extend(n(Kind::Optimizer, self.optimizers.len()));
+            out.extend(n(Kind::Model, self.training.models().len()));
+            out.extend(n(Kind::Optimizer, self.training.optimizers().len()));
         }
-        out.extend(n(Kind::Loader, self.loaders.len()));
-        out.extend(n(Kind::Custom, self.registered.len()));
+        out.extend(n(Kind::Loader, self.data.loaders().len()));
+        out.extend(n(Kind::Custom, self.checkpoints.registered().len()));
         out
     }
 
@@ -242,7 +242,7 @@ impl Accelerator {
             bad(&file(name), format!("is not {what} ({err})"))
         };
         let mut loaders = Vec::new();
-        for i in 0..self.loaders.len() {
+        for i in 0..self.data.loaders().len() {
             let name = Kind::Loader.name(i);
             let what = "a data loader position (epoch, seed, consumed)";
             let pos: LoaderPosition =
@@ -305,7 +305,7 @@ impl Accelerator {
         }
         let sums = self.check_sums(&sums_file, &training.tensors)?;
         let mut custom = Vec::new();
-        for i in 0..self.registered.len() {
+        for i in 0..self.checkpoints.registered().len() {
             let name = Kind::Custom.name(i);
             custom.push(state_of(&mine, &name).ok_or_else(|| bad(&file(&name), "is missing"))?);
         }
@@ -331,14 +331,21 @@ impl Accelerator {
         saved: &[(String, Tensor)],
     ) -> Result<Vec<Vec<Option<Tensor>>>> {
         let mut out: Vec<Vec<Option<Tensor>>> = self
-            .models
+            .training
+            .models()
             .iter()
             .map(|m| vec![None; m.names.len()])
             .collect();
         for (key, t) in saved {
             let place = key.split_once("::").and_then(|(i, name)| {
                 let i: usize = i.parse().ok()?;
-                let j = self.models.get(i)?.names.iter().position(|n| n == name)?;
+                let j = self
+                    .training
+                    .models()
+                    .get(i)?
+                    .names
+                    .iter()
+                    .position(|n| n == name)?;
                 Some((i, j))
             });
             let Some((i, j)) = place else {
@@ -349,7 +356,7 @@ impl Accelerator {
                     ),
                 ));
             };
-            let master = &self.models[i].master[j];
+            let master = &self.training.models()[i].master[j];
             if t.dims() != master.dims() || t.dtype() != DType::F32 {
                 return Err(bad(
                     file,
@@ -378,21 +385,21 @@ impl Accelerator {
             moved_from: _,
         } = plan;
         self.load_undoably(&dir, &custom, &optimizers)?;
-        for (shared, pos) in self.loaders.iter().zip(loaders) {
+        for (shared, pos) in self.data.loaders().iter().zip(loaders) {
             *shared.lock() = pos;
         }
         if let Some(rng) = rng {
-            *self.rng.lock() = crate::rng::Rng::from_state(rng);
+            *self.data.rng().lock() = crate::rng::Rng::from_state(rng);
         }
-        self.grad_state.set_auto_index(auto_micro_step);
+        self.training.window().set_auto_index(auto_micro_step);
         if let Some(p) = macro_loop {
-            self.loop_cursor.lock().resume_from(p);
+            self.data.loop_cursor().lock().resume_from(p);
         }
         self.mixed.restore_scaler(scaler);
-        for (m, s) in self.models.iter_mut().zip(sums) {
+        for (m, s) in self.training.models_mut().iter_mut().zip(sums) {
             m.sums = s;
         }
-        for (m, saved) in self.models.iter().zip(models) {
+        for (m, saved) in self.training.models().iter().zip(models) {
             match &m.shard {
                 // The pieces of this process's slice; `gather_loaded_slices` fills the weights.
                 Some(shard) => {
@@ -445,9 +452,9 @@ impl Accelerator {
                 (false, k - custom.len())
             };
             let target: &mut dyn Stateful = if is_custom {
-                &mut *self.registered[i]
+                &mut *self.checkpoints.registered_mut()[i]
             } else {
-                &mut *self.optimizers[i]
+                &mut *self.training.optimizers_mut()[i]
             };
             let before = if k + 1 < total {
                 // ivme's optimizers hand out copies already; other objects may hand out views.
@@ -488,10 +495,10 @@ impl Accelerator {
         }
         if result.is_err() {
             for (i, s) in undo_opt.iter().rev() {
-                let _ = self.optimizers[*i].load_state_dict(s);
+                let _ = self.training.optimizers_mut()[*i].load_state_dict(s);
             }
             for (i, s) in undo_custom.iter().rev() {
-                let _ = self.registered[*i].load_state_dict(s);
+                let _ = self.checkpoints.registered_mut()[*i].load_state_dict(s);
             }
         }
         result

@@ -4,11 +4,13 @@
 mod dataset;
 mod loader;
 mod position;
+mod progress;
 pub mod sampler;
 
 pub use dataset::{Dataset, TensorColumns, TensorDataset};
 pub use loader::{Batches, DataLoader};
 pub use position::LoaderPosition;
+pub(crate) use progress::DataProgress;
 
 /// Told about every batch a prepared loader hands out, so gradient accumulation knows where
 /// each accumulation window starts and ends (including a short last window).

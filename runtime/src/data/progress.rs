@@ -1,0 +1,54 @@
+//! Where the data stands: the seeded generator, every prepared loader's position and the
+//! attribute's loop cursor. One part of the [`Accelerator`](crate::Accelerator), saved and
+//! restored with the training state.
+
+use super::LoaderPosition;
+use crate::macro_support::LoopCursor;
+use crate::rng::{mix, Rng};
+use crate::stateful::Shared;
+
+/// The positions that make a resume replay exactly the data that was not yet seen.
+pub(crate) struct DataProgress {
+    seed: u64,
+    rng: Shared<Rng>,
+    loaders: Vec<Shared<LoaderPosition>>,
+    loop_cursor: Shared<LoopCursor>,
+}
+
+impl DataProgress {
+    /// Nothing prepared yet; the generator seeded from `seed` with a stream of `rank`'s own
+    /// (dropout on different data must not share masks).
+    pub(crate) fn new(seed: u64, rank: usize) -> Self {
+        DataProgress {
+            seed,
+            rng: Shared::new(Rng::new(mix(seed, rank as u64))),
+            loaders: Vec::new(),
+            loop_cursor: Shared::new(Default::default()),
+        }
+    }
+
+    /// The seed the builder was given.
+    pub(crate) fn seed(&self) -> u64 {
+        self.seed
+    }
+
+    /// This process's seeded generator.
+    pub(crate) fn rng(&self) -> &Shared<Rng> {
+        &self.rng
+    }
+
+    /// Every prepared loader's position, in preparation order.
+    pub(crate) fn loaders(&self) -> &[Shared<LoaderPosition>] {
+        &self.loaders
+    }
+
+    /// Adds a prepared loader's position.
+    pub(crate) fn add_loader(&mut self, position: Shared<LoaderPosition>) {
+        self.loaders.push(position);
+    }
+
+    /// The position of the attribute's loops over plain collections.
+    pub(crate) fn loop_cursor(&self) -> &Shared<LoopCursor> {
+        &self.loop_cursor
+    }
+}

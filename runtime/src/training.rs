@@ -1,0 +1,82 @@
+//! What is being trained: the prepared models, the prepared optimizers and where the
+//! accumulation window stands. One part of the [`Accelerator`](crate::Accelerator); the other
+//! parts read it through this narrow API and never touch its lists directly.
+
+use crate::grads::{GradientState, ParamSet};
+use crate::optim::accelerated::PreparedSlot;
+use candle_core::Var;
+use std::sync::Arc;
+
+/// The prepared models and optimizers, in preparation order, and the shared window state.
+pub(crate) struct Training {
+    models: Vec<ParamSet>,
+    optimizers: Vec<Box<dyn PreparedSlot>>,
+    window: Arc<GradientState>,
+}
+
+impl Training {
+    /// Nothing prepared yet; windows of `grad_accum` micro-batches.
+    pub(crate) fn new(grad_accum: usize) -> Self {
+        Training {
+            models: Vec::new(),
+            optimizers: Vec::new(),
+            window: Arc::new(GradientState::new(grad_accum)),
+        }
+    }
+
+    /// The prepared models, in preparation order.
+    pub(crate) fn models(&self) -> &[ParamSet] {
+        &self.models
+    }
+
+    /// The prepared models, to accumulate into or restore.
+    pub(crate) fn models_mut(&mut self) -> &mut [ParamSet] {
+        &mut self.models
+    }
+
+    /// Adds a prepared model; it is model `models().len() - 1` from now on.
+    pub(crate) fn add_model(&mut self, model: ParamSet) {
+        self.models.push(model);
+    }
+
+    /// The prepared optimizers, in preparation order.
+    pub(crate) fn optimizers(&self) -> &[Box<dyn PreparedSlot>] {
+        &self.optimizers
+    }
+
+    /// The prepared optimizers, to restore.
+    pub(crate) fn optimizers_mut(&mut self) -> &mut [Box<dyn PreparedSlot>] {
+        &mut self.optimizers
+    }
+
+    /// Adds a prepared optimizer.
+    pub(crate) fn add_optimizer(&mut self, optimizer: Box<dyn PreparedSlot>) {
+        self.optimizers.push(optimizer);
+    }
+
+    /// Where the accumulation window stands (shared with prepared loaders).
+    pub(crate) fn window(&self) -> &Arc<GradientState> {
+        &self.window
+    }
+
+    /// Real optimizer steps taken so far (the first optimizer's count; 0 before any).
+    pub(crate) fn steps(&self) -> u64 {
+        self.optimizers.first().map_or(0, |o| o.steps())
+    }
+
+    /// Every model's f32 master variables, model by model in name order.
+    pub(crate) fn master_vars(&self) -> Vec<Var> {
+        self.models
+            .iter()
+            .flat_map(|m| m.master.iter().cloned())
+            .collect()
+    }
+
+    /// (name, f32 master) pairs of every model, model by model in name order.
+    pub(crate) fn named_master_vars(&self) -> Vec<(String, Var)> {
+        self.models
+            .iter()
+            .flat_map(|m| m.names.iter().cloned().zip(m.master.iter().cloned()))
+            .collect()
+    }
+}
