@@ -30,11 +30,13 @@ fn data(dims: &[usize], n: usize) -> ivme::Result<(Tensor, Tensor)> {
     Ok((x, y))
 }
 
-/// Seconds per step of the plain candle loop over pre-sliced batches.
-fn plain(case: &Case, x: &Tensor, y: &Tensor) -> ivme::Result<f64> {
+/// Seconds per step of the plain candle loop over batches pre-sliced on `device` (the
+/// Accelerator's: a GPU build compares GPU with GPU).
+fn plain(case: &Case, x: &Tensor, y: &Tensor, device: &Device) -> ivme::Result<f64> {
+    let (x, y) = (x.to_device(device)?, y.to_device(device)?);
     let varmap = VarMap::new();
     let model = Mlp::new(
-        VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu),
+        VarBuilder::from_varmap(&varmap, DType::F32, device),
         &case.dims,
     )?;
     let mut opt = candle_nn::AdamW::new(varmap.all_vars(), ParamsAdamW::default())?;
@@ -183,6 +185,7 @@ fn main() -> ivme::Result<()> {
         }
     }
     let world = accs[0].num_processes();
+    let device = accs[0].device().clone();
     accs[0].print(format!(
         "ivme overhead, {world} process(es), RAYON_NUM_THREADS={}",
         std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| "unset".into())
@@ -191,9 +194,9 @@ fn main() -> ivme::Result<()> {
         let (x, y) = data(&case.dims, case.steps * case.batch)?;
         let mut base = Vec::new();
         let mut runs: Vec<Vec<f64>> = vec![Vec::new(); accs.len()];
-        plain(case, &x, &y)?; // warm-up
+        plain(case, &x, &y, &device)?; // warm-up
         for _ in 0..rounds {
-            base.push(plain(case, &x, &y)?);
+            base.push(plain(case, &x, &y, &device)?);
             for (i, acc) in accs.iter_mut().enumerate() {
                 runs[i].push(accelerated(acc, case, &x, &y)?);
             }
