@@ -10,6 +10,8 @@ use candle_core::Tensor;
 mod host;
 #[cfg(feature = "mpi")]
 mod mpi;
+#[cfg(feature = "nccl")]
+mod nccl;
 #[cfg(feature = "mpi")]
 mod ops;
 mod single;
@@ -18,6 +20,8 @@ mod watch;
 
 #[cfg(feature = "mpi")]
 pub use self::mpi::MpiComm;
+#[cfg(feature = "nccl")]
+pub use self::nccl::NcclComm;
 pub use single::SingleComm;
 
 /// How values from every rank are combined.
@@ -298,18 +302,21 @@ impl Default for CommOptions {
 }
 
 /// Opens the communicator for a layout on the process's (already chosen) device: the
-/// single-process world for one process, MPI for several. A device-aware backend (NCCL for
-/// CUDA devices) is chosen here, from `device`.
+/// single-process world for one process, NCCL for several on CUDA devices (with the `nccl`
+/// feature), MPI otherwise.
 pub fn open(
     world_size: usize,
     device: &candle_core::Device,
     options: &CommOptions,
 ) -> Result<Box<dyn Communicator>> {
-    // Every backend built today moves host memory, whatever the device.
-    let _ = device;
     if world_size <= 1 {
         return Ok(Box::new(SingleComm));
     }
+    #[cfg(feature = "nccl")]
+    if let candle_core::Device::Cuda(cuda) = device {
+        return Ok(Box::new(NcclComm::init(cuda, options)?));
+    }
+    let _ = device;
     #[cfg(feature = "mpi")]
     {
         Ok(Box::new(MpiComm::init(options)?))

@@ -70,7 +70,7 @@ impl MpiComm {
     /// Runs one collective under the watch: numbered, compared across ranks in debug mode,
     /// started only once every rank arrived at the same call, and counted as done only when it
     /// completed.
-    fn collective<T>(&self, op: Op, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    pub(crate) fn collective<T>(&self, op: Op, f: impl FnOnce() -> Result<T>) -> Result<T> {
         let seq = self.watch.enter(op)?;
         if self.watch.debug_sync {
             self.compare(seq, op)?;
