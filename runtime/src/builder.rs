@@ -141,7 +141,7 @@ impl AcceleratorBuilder {
             env::parse_bool(s).ok_or_else(|| format!("use {}", env::CPU.values))
         })?;
         take(w);
-        if grad_accum.value == 0 {
+        if grad_accum == 0 {
             return Err(Error::config(
                 "grad_accum",
                 0,
@@ -203,7 +203,7 @@ impl AcceleratorBuilder {
             None => (0, 1, 0, 1),
         };
         // The device first: the communicator is the one for that device.
-        let device = select_device(local_rank, cpu.value)?;
+        let device = select_device(local_rank, cpu)?;
         let comm = comm::open(world, &device, &comm_options)?;
         if comm.world_size() != world || comm.rank() != rank {
             return Err(Error::Setup(format!(
@@ -214,8 +214,8 @@ impl AcceleratorBuilder {
                 comm.world_size()
             )));
         }
-        check_precision(precision.value, &device)?;
-        crate::model_dtype::set_active(precision.value);
+        check_precision(precision, &device)?;
+        crate::model_dtype::set_active(precision);
         let state = ProcessState {
             rank,
             world_size: world,
@@ -233,13 +233,13 @@ impl AcceleratorBuilder {
             state,
             comm: Counted::new(comm),
             sync: crate::sync::SyncSettings::new(
-                sharding.value,
+                sharding,
                 self.bucket_mb.unwrap_or(25).max(1) << 20,
                 self.clip_grad_norm,
                 self.clip_grad_value,
             ),
-            mixed: crate::precision::MixedPrecision::new(precision.value, self.initial_loss_scale),
-            training: crate::training::Training::new(grad_accum.value),
+            mixed: crate::precision::MixedPrecision::new(precision, self.initial_loss_scale),
+            training: crate::training::Training::new(grad_accum),
             data: crate::data::DataProgress::new(seed, rank),
             checkpoints: crate::checkpoint::Checkpointing::new(project, self.async_checkpoints),
             trackers: Shared::new(None),

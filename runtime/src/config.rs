@@ -116,36 +116,6 @@ impl FromStr for Sharding {
     }
 }
 
-/// Where a resolved setting's value came from, strongest first.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Source {
-    /// Set in code: the builder or the `#[accelerate]` attribute.
-    Code,
-    /// Set by `ivme launch` or an `IVME_*` environment variable.
-    Launcher,
-    /// The built-in default.
-    Default,
-}
-
-impl fmt::Display for Source {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Source::Code => "code",
-            Source::Launcher => "launcher/environment",
-            Source::Default => "default",
-        })
-    }
-}
-
-/// A setting resolved from code, the launcher's environment and the default.
-#[derive(Debug, Clone, Copy)]
-pub struct Resolved<T> {
-    /// The value in force.
-    pub value: T,
-    /// Where it came from.
-    pub source: Source,
-}
-
 /// Resolves one setting by precedence (code > environment > default) and returns a warning
 /// naming both values when code and the environment disagree.
 pub(crate) fn resolve<T>(
@@ -153,7 +123,7 @@ pub(crate) fn resolve<T>(
     code: Option<T>,
     var: &crate::env::Var,
     default: T,
-) -> Result<(Resolved<T>, Option<String>)>
+) -> Result<(T, Option<String>)>
 where
     T: FromStr + PartialEq + fmt::Debug + Copy,
     T::Err: fmt::Display,
@@ -170,7 +140,7 @@ pub(crate) fn resolve_with<T>(
     var: &crate::env::Var,
     default: T,
     parse: impl Fn(&str) -> std::result::Result<T, String>,
-) -> Result<(Resolved<T>, Option<String>)>
+) -> Result<(T, Option<String>)>
 where
     T: PartialEq + fmt::Debug + Copy,
 {
@@ -183,34 +153,13 @@ where
     };
     Ok(match (code, from_env) {
         (Some(c), Some(e)) if c != e => (
-            Resolved {
-                value: c,
-                source: Source::Code,
-            },
+            c,
             Some(format!(
                 "ivme: `{key}` is {c:?} in code and {e:?} from {env_var}; using the code's value"
             )),
         ),
-        (Some(c), _) => (
-            Resolved {
-                value: c,
-                source: Source::Code,
-            },
-            None,
-        ),
-        (None, Some(e)) => (
-            Resolved {
-                value: e,
-                source: Source::Launcher,
-            },
-            None,
-        ),
-        (None, None) => (
-            Resolved {
-                value: default,
-                source: Source::Default,
-            },
-            None,
-        ),
+        (Some(c), _) => (c, None),
+        (None, Some(e)) => (e, None),
+        (None, None) => (default, None),
     })
 }
