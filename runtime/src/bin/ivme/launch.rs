@@ -6,11 +6,12 @@
 //! run again, whole, up to N times; a stop the user asked for (Ctrl-C, SIGTERM) never is.
 
 use crate::faults;
-use crate::machines;
+use crate::flags::{usage, LaunchArgs, Parsed};
 use crate::mpirun::{Flavor, Mpirun};
-use crate::plan::{usage, Context, Invocation, LaunchArgs, LaunchPlan, Machine, Parsed};
+use crate::plan::{Context, Invocation, LaunchPlan, Machine};
 use crate::process::{self, Outcome};
 use crate::rank::{self, Failure};
+use crate::report;
 use crate::settings::Location;
 use ivme::{Error, Result};
 use std::path::PathBuf;
@@ -18,7 +19,7 @@ use std::process::Command;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 /// The subcommand's name.
-pub const COMMAND: &str = "launch";
+pub use crate::flags::COMMAND;
 
 /// Removes the status folder however the launch ends.
 struct StatusDir(PathBuf);
@@ -65,9 +66,9 @@ pub fn main(words: &[String]) -> Result<i32> {
     )?;
     if plan.is_secondary() {
         if plan.dry_run {
-            print!("{}", machines::describe_settings(&plan));
+            print!("{}", report::describe_settings(&plan));
         }
-        print!("{}", machines::secondary_message(&plan));
+        print!("{}", report::secondary_message(&plan));
         return Ok(0);
     }
     let mpirun = if plan.uses_mpi() {
@@ -105,7 +106,7 @@ pub fn main(words: &[String]) -> Result<i32> {
         };
         print!(
             "{config_line}{}{}",
-            machines::describe_settings(&plan),
+            report::describe_settings(&plan),
             inv.describe(plan.num_processes)
         );
         return Ok(0);

@@ -1,6 +1,7 @@
 //! Flags → plan → command line and environment, checked without starting anything.
 
 use super::*;
+use crate::flags::Parsed;
 use crate::mpirun::Flavor;
 
 fn words(w: &[&str]) -> Vec<String> {

@@ -2,7 +2,7 @@
 //! launcher's environment (for the settings the Accelerator reads), then the config file, then
 //! the default. The merged settings remember their source so `--dry_run` can show it.
 
-use crate::plan::LaunchArgs;
+use crate::flags::LaunchArgs;
 use crate::settings::Config;
 use ivme::env;
 use ivme::{Error, Precision, Result, Sharding};
