@@ -92,5 +92,6 @@ echo
 printf '%-34s %-8s %s\n' "check" "result" "detail"
 printf '%s\n' "${ROWS[@]}"
 echo
-grep -E 'x|ratio|ms' "$log" 2>/dev/null | head -20
+# The bench's own lines: each case's plain-candle step and ivme's ratios to it.
+grep -E 'process|plain candle|ratio' "$log" 2>/dev/null | head -20
 ! printf '%s\n' "${ROWS[@]}" | grep -q FAIL
