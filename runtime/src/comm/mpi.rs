@@ -10,7 +10,7 @@
 //! only after every rank said goodbye, so a failing rank never hangs the job.
 
 use super::host::{back, host_f32, shard_counts};
-use super::ops::{describe, Op, OpKind};
+use super::ops::{describe, refuse_integer_mean, Op, OpKind};
 use super::watch::{Ending, Watch};
 use super::{CommOptions, Communicator, ReduceOp};
 use crate::error::{Error, Result};
@@ -217,12 +217,7 @@ impl Communicator for MpiComm {
     }
 
     fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
-        if is_int(t.dtype()) && op == ReduceOp::Mean {
-            return Err(Error::Comm(
-                "a mean of integer tensors is not exact; reduce with Sum and divide as floats"
-                    .into(),
-            ));
-        }
+        refuse_integer_mean(t.dtype(), op)?;
         let desc = Op {
             kind: OpKind::AllReduce,
             count: t.elem_count() as u64,

@@ -15,7 +15,7 @@
 //! go over MPI.
 
 use super::mpi::MpiComm;
-use super::ops::{Op, OpKind};
+use super::ops::{refuse_integer_mean, Op, OpKind};
 use super::{CommOptions, Communicator, ReduceOp};
 use crate::error::{Error, Result};
 use candle_core::backend::BackendStorage;
@@ -198,12 +198,7 @@ impl Communicator for NcclComm {
         if !is_cuda(t) {
             return self.control.all_reduce(t, op);
         }
-        if op == ReduceOp::Mean && !t.dtype().is_float() {
-            return Err(Error::Comm(
-                "a mean of integer tensors is not exact; reduce with Sum and divide as floats"
-                    .into(),
-            ));
-        }
+        refuse_integer_mean(t.dtype(), op)?;
         let desc = Op {
             kind: OpKind::AllReduce,
             count: t.elem_count() as u64,

@@ -3,6 +3,19 @@
 
 use std::fmt;
 
+/// Refuses a mean of integer tensors, which no backend can compute exactly.
+pub(crate) fn refuse_integer_mean(
+    dtype: candle_core::DType,
+    op: super::ReduceOp,
+) -> crate::Result<()> {
+    if op == super::ReduceOp::Mean && !dtype.is_float() {
+        return Err(crate::Error::Comm(
+            "a mean of integer tensors is not exact; reduce with Sum and divide as floats".into(),
+        ));
+    }
+    Ok(())
+}
+
 /// The collective a rank is in, as ranks compare and report it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Op {

@@ -4,7 +4,7 @@
 use crate::args::{self, Flag, Kind};
 use crate::hosts::Hosts;
 use crate::prompt::{Lines, Prompter, Terminal};
-use crate::settings::{Config, Location, BACKENDS};
+use crate::settings::{Location, Settings, BACKENDS};
 use ivme::{Error, Precision, Result};
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
@@ -81,7 +81,7 @@ fn write_default(location: &Location, force: bool) -> Result<i32> {
             location.path.display()
         )));
     }
-    Config::sane_default().write(&location.path)?;
+    Settings::sane_default().write(&location.path)?;
     println!(
         "ivme: wrote a default config to {}",
         location.path.display()
@@ -169,10 +169,10 @@ fn split_list(a: &str) -> Vec<String> {
 }
 
 /// Asks the questions and returns the config they describe.
-pub fn questionnaire(p: &mut dyn Prompter) -> Result<Config> {
-    let mut c = Config {
+pub fn questionnaire(p: &mut dyn Prompter) -> Result<Settings> {
+    let mut c = Settings {
         backend: Some(BACKENDS[0].to_string()),
-        ..Config::default()
+        ..Settings::default()
     };
     let several = p.select(
         "Where will you train?",
@@ -301,7 +301,7 @@ pub fn questionnaire(p: &mut dyn Prompter) -> Result<Config> {
 mod tests {
     use super::*;
 
-    fn run(answers: &str) -> (Result<Config>, String) {
+    fn run(answers: &str) -> (Result<Settings>, String) {
         let mut p = Lines::new(answers.as_bytes(), Vec::new(), false);
         let c = questionnaire(&mut p);
         (c, String::new())

@@ -4,9 +4,9 @@
 use crate::args::{self, Flag, Kind};
 use crate::faults;
 use crate::mpirun;
+use crate::settings::Settings;
 use ivme::{Error, Precision, Result, Sharding};
 use std::path::PathBuf;
-use std::time::Duration;
 
 /// The subcommand's name.
 pub const COMMAND: &str = "launch";
@@ -123,37 +123,12 @@ pub fn usage() -> String {
     )
 }
 
-/// The launch settings as given, before defaults and checks.
+/// The command line of `ivme launch`: the settings its flags give (the strongest layer), and
+/// what only the command line says.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct LaunchArgs {
-    /// `--num_processes`.
-    pub num_processes: Option<usize>,
-    /// `--cpu`.
-    pub cpu: Option<bool>,
-    /// `--hostfile`.
-    pub hostfile: Option<PathBuf>,
-    /// `--mixed_precision`.
-    pub mixed_precision: Option<Precision>,
-    /// `--sharding`.
-    pub sharding: Option<Sharding>,
-    /// `--gradient_accumulation_steps`.
-    pub gradient_accumulation_steps: Option<usize>,
-    /// `--num_machines`.
-    pub num_machines: Option<usize>,
-    /// `--machine_rank`.
-    pub machine_rank: Option<usize>,
-    /// `--main_process_ip`.
-    pub main_process_ip: Option<String>,
-    /// `--main_process_port`.
-    pub main_process_port: Option<u16>,
-    /// The machines' addresses (the config's `hosts`; no flag).
-    pub hosts: Option<Vec<String>>,
-    /// `--max_restarts`.
-    pub max_restarts: Option<usize>,
-    /// `--collective_timeout`.
-    pub collective_timeout: Option<Duration>,
-    /// `--debug_sync`.
-    pub debug_sync: Option<bool>,
+    /// The settings the flags give (no flag sets `hosts` or `backend`).
+    pub settings: Settings,
     /// `--config_file`.
     pub config_file: Option<PathBuf>,
     /// `--dry_run`.
@@ -213,7 +188,7 @@ impl LaunchArgs {
             })?),
         };
         let mut rest = s.rest.clone().into_iter();
-        Ok(Parsed::Launch(Box::new(LaunchArgs {
+        let settings = Settings {
             num_processes: args::positive(&s, &NUM_PROCESSES)?,
             cpu: args::switch(&s, "cpu")?,
             hostfile: s.value("hostfile").map(PathBuf::from),
@@ -224,10 +199,13 @@ impl LaunchArgs {
             machine_rank,
             main_process_ip: s.value("main_process_ip").map(str::to_string),
             main_process_port,
-            hosts: None,
             max_restarts: faults::max_restarts(&s)?,
             collective_timeout: faults::collective_timeout(&s)?,
             debug_sync: args::switch(&s, faults::DEBUG_SYNC.name)?,
+            ..Settings::default()
+        };
+        Ok(Parsed::Launch(Box::new(LaunchArgs {
+            settings,
             config_file: s.value("config_file").map(PathBuf::from),
             dry_run: args::switch(&s, "dry_run")?.unwrap_or(false),
             program: rest.next(),

@@ -7,8 +7,8 @@
 //! lands; it and `main_process_port` reach the ranks as `IVME_MAIN_PROCESS_*` for backends that
 //! rendezvous themselves (mpirun picks its own ports).
 
-use crate::flags::LaunchArgs;
 use crate::hosts::Hosts;
+use crate::settings::Settings;
 use ivme::{Error, Result};
 
 /// The machine layout of a launch.
@@ -25,7 +25,7 @@ pub struct Machines {
 }
 
 /// Works out the machines from the merged settings and checks they agree.
-pub fn resolve(a: &LaunchArgs) -> Result<Machines> {
+pub fn resolve(a: &Settings) -> Result<Machines> {
     let hosts = match &a.hostfile {
         Some(path) => {
             let h = Hosts::read(path)?;

@@ -59,7 +59,8 @@ impl LaunchPlan {
     /// Applies defaults and checks that the program and hostfile exist; `path_var` is the
     /// `PATH` used to find a program given by name.
     pub fn resolve(args: LaunchArgs, path_var: Option<&str>) -> Result<LaunchPlan> {
-        let machines = crate::machines::resolve(&args)?;
+        let machines = crate::machines::resolve(&args.settings)?;
+        let s = args.settings;
         let Some(program) = args.program else {
             return Err(Error::Usage(
                 "missing the program to run: write `ivme launch [FLAGS] PROGRAM [ARGS...]`, e.g. \
@@ -69,19 +70,19 @@ impl LaunchPlan {
         };
         Ok(LaunchPlan {
             num_processes: machines.num_processes,
-            cpu: args.cpu.unwrap_or(false),
+            cpu: s.cpu.unwrap_or(false),
             hosts: machines.hosts,
             num_machines: machines.num_machines,
             machine_rank: machines.machine_rank,
-            main_process_ip: args.main_process_ip,
-            main_process_port: args.main_process_port,
+            main_process_ip: s.main_process_ip,
+            main_process_port: s.main_process_port,
             origins: Vec::new(),
-            precision: args.mixed_precision,
-            sharding: args.sharding,
-            grad_accum: args.gradient_accumulation_steps,
-            max_restarts: args.max_restarts.unwrap_or(0),
-            collective_timeout: args.collective_timeout,
-            debug_sync: args.debug_sync.unwrap_or(false),
+            precision: s.mixed_precision,
+            sharding: s.sharding,
+            grad_accum: s.gradient_accumulation_steps,
+            max_restarts: s.max_restarts.unwrap_or(0),
+            collective_timeout: s.collective_timeout,
+            debug_sync: s.debug_sync.unwrap_or(false),
             program: process::find_executable(&program, path_var)?,
             program_args: args.program_args,
             dry_run: args.dry_run,
@@ -92,7 +93,7 @@ impl LaunchPlan {
     /// the result, keeping each setting's origin.
     pub fn resolve_with(
         flags: LaunchArgs,
-        config: Option<(&std::path::Path, &crate::settings::Config)>,
+        config: Option<(&std::path::Path, &crate::settings::Settings)>,
         inherited: &[(String, String)],
         path_var: Option<&str>,
     ) -> Result<LaunchPlan> {

@@ -3,6 +3,7 @@
 use super::*;
 use crate::flags::Parsed;
 use crate::mpirun::Flavor;
+use crate::settings::Settings;
 
 fn words(w: &[&str]) -> Vec<String> {
     w.iter().map(|s| s.to_string()).collect()
@@ -61,11 +62,14 @@ fn every_flag_is_read_in_either_spelling() {
     assert_eq!(
         a,
         LaunchArgs {
-            num_processes: Some(3),
-            cpu: Some(true),
-            hostfile: None,
-            mixed_precision: Some(Precision::Bf16),
-            gradient_accumulation_steps: Some(4),
+            settings: Settings {
+                num_processes: Some(3),
+                cpu: Some(true),
+                hostfile: None,
+                mixed_precision: Some(Precision::Bf16),
+                gradient_accumulation_steps: Some(4),
+                ..Settings::default()
+            },
             dry_run: true,
             program: Some("train".into()),
             program_args: words(&["--lr", "0.1"]),
@@ -363,9 +367,12 @@ fn fault_flags_are_read_in_either_spelling() {
         "--debug-sync",
         "train",
     ]);
-    assert_eq!(a.max_restarts, Some(3));
-    assert_eq!(a.collective_timeout, Some(Duration::from_secs(600)));
-    assert_eq!(a.debug_sync, Some(true));
+    assert_eq!(a.settings.max_restarts, Some(3));
+    assert_eq!(
+        a.settings.collective_timeout,
+        Some(Duration::from_secs(600))
+    );
+    assert_eq!(a.settings.debug_sync, Some(true));
     let a = parse(&[
         "--max_restarts",
         "0",
@@ -373,9 +380,12 @@ fn fault_flags_are_read_in_either_spelling() {
         "500ms",
         "train",
     ]);
-    assert_eq!(a.max_restarts, Some(0));
-    assert_eq!(a.collective_timeout, Some(Duration::from_millis(500)));
-    assert_eq!(a.debug_sync, None);
+    assert_eq!(a.settings.max_restarts, Some(0));
+    assert_eq!(
+        a.settings.collective_timeout,
+        Some(Duration::from_millis(500))
+    );
+    assert_eq!(a.settings.debug_sync, None);
     let msg = |w: &[&str]| LaunchArgs::parse(&words(w)).unwrap_err().to_string();
     let m = msg(&["--collective_timeout", "-3s", "prog"]);
     assert!(

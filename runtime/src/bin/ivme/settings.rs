@@ -37,9 +37,11 @@ pub const KEYS: &[&str] = &[
     "max_restarts",
 ];
 
-/// What a config file says; `None` means the file leaves the setting to the defaults.
+/// Every launch setting, each optional: one layer of them (the flags, the launcher's
+/// environment or the config file; sources.rs stacks the layers). `None` leaves the setting
+/// to a weaker layer, or the default.
 #[derive(Debug, Clone, Default, PartialEq)]
-pub struct Config {
+pub struct Settings {
     /// Processes in total, over all machines.
     pub num_processes: Option<usize>,
     /// Compute on the CPU even where a GPU is present.
@@ -66,6 +68,10 @@ pub struct Config {
     pub hostfile: Option<PathBuf>,
     /// How many times `ivme launch` starts a failed job again.
     pub max_restarts: Option<usize>,
+    /// The deadline of every collective (a flag or `IVME_COLLECTIVE_TIMEOUT`; no file key).
+    pub collective_timeout: Option<std::time::Duration>,
+    /// Whether the ranks compare their collectives (a flag or `IVME_DEBUG_SYNC`; no file key).
+    pub debug_sync: Option<bool>,
 }
 
 /// Where the config file in use was found, and why there.
@@ -117,9 +123,9 @@ impl Location {
     }
 
     /// Reads the file: `Ok(None)` when a default-location file does not exist.
-    pub fn load(&self) -> Result<Option<Config>> {
+    pub fn load(&self) -> Result<Option<Settings>> {
         match std::fs::read_to_string(&self.path) {
-            Ok(text) => Config::parse(&text, &self.path).map(Some),
+            Ok(text) => Settings::parse(&text, &self.path).map(Some),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound && !self.explicit() => Ok(None),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(Error::Usage(format!(
                 "the config file {} (from {}) does not exist; create it with `ivme config \
@@ -187,23 +193,23 @@ fn word<'a>(key: &str, v: &'a toml::Value, path: &Path, valid: Option<&[&str]>) 
     }
 }
 
-impl Config {
+impl Settings {
     /// The config `ivme config default` writes: one process on one machine, the CPU unless this
     /// build has CUDA, full precision, no accumulation.
-    pub fn sane_default() -> Config {
-        Config {
+    pub fn sane_default() -> Settings {
+        Settings {
             num_processes: Some(1),
             cpu: Some(!cfg!(feature = "cuda")),
             mixed_precision: Some(Precision::No),
             gradient_accumulation_steps: Some(1),
             backend: Some(BACKENDS[0].to_string()),
             num_machines: Some(1),
-            ..Config::default()
+            ..Settings::default()
         }
     }
 
     /// Reads a config file's text; `path` names the file in errors.
-    pub fn parse(text: &str, path: &Path) -> Result<Config> {
+    pub fn parse(text: &str, path: &Path) -> Result<Settings> {
         let table: toml::Table = text.parse().map_err(|e: toml::de::Error| {
             Error::Usage(format!(
                 "the config file {} is not valid TOML: {}; fix it, or rewrite it with `ivme config`",
@@ -245,7 +251,7 @@ impl Config {
             }
             Some(_) => {}
         }
-        let mut c = Config::default();
+        let mut c = Settings::default();
         for (key, v) in &table {
             let k = key.as_str();
             match k {

@@ -2,8 +2,8 @@
 
 use super::*;
 
-fn parse(text: &str) -> Result<Config> {
-    Config::parse(text, Path::new("/etc/ivme.toml"))
+fn parse(text: &str) -> Result<Settings> {
+    Settings::parse(text, Path::new("/etc/ivme.toml"))
 }
 
 fn err(text: &str) -> String {
@@ -12,7 +12,7 @@ fn err(text: &str) -> String {
 
 #[test]
 fn a_written_config_reads_back_the_same() {
-    let c = Config {
+    let c = Settings {
         num_processes: Some(4),
         cpu: Some(false),
         mixed_precision: Some(Precision::Fp16),
@@ -26,13 +26,15 @@ fn a_written_config_reads_back_the_same() {
         hosts: Some(vec!["10.0.0.1".into(), "node \"2\"".replace(' ', "_")]),
         hostfile: None,
         max_restarts: Some(3),
+        collective_timeout: None,
+        debug_sync: None,
     };
     assert_eq!(parse(&c.to_toml()).unwrap(), c);
     assert_eq!(
-        parse(&Config::sane_default().to_toml()).unwrap(),
-        Config::sane_default()
+        parse(&Settings::sane_default().to_toml()).unwrap(),
+        Settings::sane_default()
     );
-    assert_eq!(parse("version = 1\n").unwrap(), Config::default());
+    assert_eq!(parse("version = 1\n").unwrap(), Settings::default());
 }
 
 #[test]

@@ -3,7 +3,7 @@
 //! the default. The merged settings remember their source so `--dry_run` can show it.
 
 use crate::flags::LaunchArgs;
-use crate::settings::Config;
+use crate::settings::Settings;
 use ivme::env;
 use ivme::{Error, Precision, Result, Sharding};
 use std::path::{Path, PathBuf};
@@ -115,7 +115,7 @@ fn env_value<T>(
     var: &'static str,
     parse: impl Fn(&str) -> Option<T>,
     valid: &str,
-) -> Result<Option<(&'static str, T)>> {
+) -> Result<Option<T>> {
     let Some((_, raw)) = inherited
         .iter()
         .find(|(k, _)| k == var)
@@ -123,160 +123,115 @@ fn env_value<T>(
     else {
         return Ok(None);
     };
-    match parse(raw.trim()) {
-        Some(v) => Ok(Some((var, v))),
-        None => Err(Error::config(
+    parse(raw.trim()).map(Some).ok_or_else(|| {
+        Error::config(
             var,
             raw,
             format!("set by the environment: use {valid}, or unset it"),
-        )),
+        )
+    })
+}
+
+/// The settings layer of the launcher's environment: the `IVME_*` variables the Accelerator
+/// reads, checked here so a bad one fails before anything starts.
+fn from_env(inherited: &[(String, String)]) -> Result<Settings> {
+    Ok(Settings {
+        cpu: env_value(inherited, env::CPU.name, env::parse_bool, env::CPU.values)?,
+        mixed_precision: env_value(
+            inherited,
+            env::PRECISION.name,
+            |s| s.parse::<Precision>().ok(),
+            &format!("one of {}", Precision::VALID.join(", ")),
+        )?,
+        sharding: env_value(
+            inherited,
+            env::SHARDING.name,
+            |s| s.parse::<Sharding>().ok(),
+            &format!("one of {}", Sharding::VALID.join(", ")),
+        )?,
+        gradient_accumulation_steps: env_value(
+            inherited,
+            env::GRAD_ACCUM.name,
+            |s| s.parse::<usize>().ok().filter(|&n| n >= 1),
+            "a whole number of at least 1",
+        )?,
+        collective_timeout: env_value(
+            inherited,
+            env::COLLECTIVE_TIMEOUT.name,
+            env::parse_duration,
+            env::DURATION_FORMS,
+        )?,
+        debug_sync: env_value(
+            inherited,
+            env::DEBUG_SYNC.name,
+            env::parse_bool,
+            env::DEBUG_SYNC.values,
+        )?,
+        ..Settings::default()
+    })
+}
+
+/// The variable behind a setting of the environment layer.
+fn env_name(key: &str) -> &'static str {
+    match key {
+        "cpu" => env::CPU.name,
+        "mixed_precision" => env::PRECISION.name,
+        "sharding" => env::SHARDING.name,
+        "gradient_accumulation_steps" => env::GRAD_ACCUM.name,
+        "collective_timeout" => env::COLLECTIVE_TIMEOUT.name,
+        "debug_sync" => env::DEBUG_SYNC.name,
+        _ => "",
     }
 }
 
-/// Fills what the flags leave unset from the environment and the config file (`file`, with its
-/// path), and returns the merged arguments with each setting's origin.
+/// Stacks the layers (flags over the environment over the config file at `file`'s path) into
+/// one set of settings, and returns it in the flags' place with each setting's origin.
 pub fn merge(
     flags: LaunchArgs,
-    file: Option<(&Path, &Config)>,
+    file: Option<(&Path, &Settings)>,
     inherited: &[(String, String)],
 ) -> Result<(LaunchArgs, Vec<Origin>)> {
-    let mut o = Vec::new();
-    let c = file.map(|(_, c)| c.clone()).unwrap_or_default();
     let path = file.map(|(p, _)| p);
-    let precision_env = env_value(
-        inherited,
-        env::PRECISION.name,
-        |s| s.parse::<Precision>().ok(),
-        &format!("one of {}", Precision::VALID.join(", ")),
-    )?;
-    let sharding_env = env_value(
-        inherited,
-        env::SHARDING.name,
-        |s| s.parse::<Sharding>().ok(),
-        &format!("one of {}", Sharding::VALID.join(", ")),
-    )?;
-    let accum_env = env_value(
-        inherited,
-        env::GRAD_ACCUM.name,
-        |s| s.parse::<usize>().ok().filter(|&n| n >= 1),
-        "a whole number of at least 1",
-    )?;
-    let cpu_env = env_value(inherited, env::CPU.name, env::parse_bool, env::CPU.values)?;
-    let timeout_env = env_value(
-        inherited,
-        env::COLLECTIVE_TIMEOUT.name,
-        env::parse_duration,
-        env::DURATION_FORMS,
-    )?;
-    let debug_sync_env = env_value(
-        inherited,
-        env::DEBUG_SYNC.name,
-        env::parse_bool,
-        env::DEBUG_SYNC.values,
-    )?;
+    let mut file = file.map(|(_, c)| c.clone()).unwrap_or_default();
+    let env = from_env(inherited)?;
     // A hostfile on the command line describes the machines anew, so the file's machine list
     // (and its count) would only contradict it.
-    let new_machines = flags.hostfile.is_some();
-    let (file_machines, file_hosts, file_hostfile) = if new_machines {
-        (None, None, None)
-    } else {
-        (c.num_machines, c.hosts.clone(), c.hostfile.clone())
-    };
-    let merged = LaunchArgs {
-        num_processes: pick(
-            &mut o,
-            "num_processes",
-            flags.num_processes,
-            None,
-            (path, c.num_processes),
-        ),
-        cpu: pick(&mut o, "cpu", flags.cpu, cpu_env, (path, c.cpu)),
-        mixed_precision: pick(
-            &mut o,
-            "mixed_precision",
-            flags.mixed_precision,
-            precision_env,
-            (path, c.mixed_precision),
-        ),
-        sharding: pick(
-            &mut o,
-            "sharding",
-            flags.sharding,
-            sharding_env,
-            (path, c.sharding),
-        ),
-        gradient_accumulation_steps: pick(
-            &mut o,
-            "gradient_accumulation_steps",
-            flags.gradient_accumulation_steps,
-            accum_env,
-            (path, c.gradient_accumulation_steps),
-        ),
-        num_machines: pick(
-            &mut o,
-            "num_machines",
-            flags.num_machines,
-            None,
-            (path, file_machines),
-        ),
-        machine_rank: pick(
-            &mut o,
-            "machine_rank",
-            flags.machine_rank,
-            None,
-            (path, c.machine_rank),
-        ),
-        main_process_ip: pick(
-            &mut o,
-            "main_process_ip",
-            flags.main_process_ip,
-            None,
-            (path, c.main_process_ip),
-        ),
-        main_process_port: pick(
-            &mut o,
-            "main_process_port",
-            flags.main_process_port,
-            None,
-            (path, c.main_process_port),
-        ),
-        hostfile: pick(
-            &mut o,
-            "hostfile",
-            flags.hostfile,
-            None,
-            (path, file_hostfile),
-        ),
-        hosts: pick(&mut o, "hosts", None, None, (path, file_hosts)),
-        max_restarts: pick(
-            &mut o,
-            "max_restarts",
-            flags.max_restarts,
-            None,
-            (path, c.max_restarts),
-        ),
-        collective_timeout: pick(
-            &mut o,
-            "collective_timeout",
-            flags.collective_timeout,
-            timeout_env,
-            (path, None),
-        ),
-        debug_sync: pick(
-            &mut o,
-            "debug_sync",
-            flags.debug_sync,
-            debug_sync_env,
-            (path, None),
-        ),
-        config_file: flags.config_file,
-        dry_run: flags.dry_run,
-        program: flags.program,
-        program_args: flags.program_args,
-    };
-    // The backend has no flag: the file may name it, and mpi is the only one launched today.
-    pick(&mut o, "backend", None, None, (path, c.backend));
-    Ok((merged, o))
+    if flags.settings.hostfile.is_some() {
+        (file.num_machines, file.hosts, file.hostfile) = (None, None, None);
+    }
+    let (mut o, f) = (Vec::new(), flags.settings);
+    macro_rules! layered {
+        ($($key:ident),+ $(,)?) => {
+            Settings {$(
+                $key: pick(
+                    &mut o,
+                    stringify!($key),
+                    f.$key,
+                    env.$key.map(|v| (env_name(stringify!($key)), v)),
+                    (path, file.$key),
+                ),
+            )+}
+        };
+    }
+    // In the order `--dry_run` lists them.
+    let settings = layered!(
+        num_processes,
+        cpu,
+        mixed_precision,
+        sharding,
+        gradient_accumulation_steps,
+        num_machines,
+        machine_rank,
+        main_process_ip,
+        main_process_port,
+        hostfile,
+        hosts,
+        max_restarts,
+        collective_timeout,
+        debug_sync,
+        backend,
+    );
+    Ok((LaunchArgs { settings, ..flags }, o))
 }
 
 #[cfg(test)]
@@ -296,22 +251,25 @@ mod tests {
 
     #[test]
     fn flags_beat_the_environment_which_beats_the_file() {
-        let file = Config {
+        let file = Settings {
             num_processes: Some(4),
             mixed_precision: Some(Precision::Fp16),
             gradient_accumulation_steps: Some(3),
             cpu: Some(true),
-            ..Config::default()
+            ..Settings::default()
         };
         let flags = LaunchArgs {
-            num_processes: Some(2),
+            settings: Settings {
+                num_processes: Some(2),
+                ..Settings::default()
+            },
             ..LaunchArgs::default()
         };
         let p = Path::new("/cfg.toml");
         let (a, o) = merge(flags, Some((p, &file)), &env(&[("IVME_PRECISION", "bf16")])).unwrap();
-        assert_eq!(a.num_processes, Some(2));
-        assert_eq!(a.mixed_precision, Some(Precision::Bf16));
-        assert_eq!(a.gradient_accumulation_steps, Some(3));
+        assert_eq!(a.settings.num_processes, Some(2));
+        assert_eq!(a.settings.mixed_precision, Some(Precision::Bf16));
+        assert_eq!(a.settings.gradient_accumulation_steps, Some(3));
         assert_eq!(
             origin(&o, "num_processes").describe(),
             "flag --num_processes; the config file's 4 is overridden"
@@ -329,31 +287,34 @@ mod tests {
 
     #[test]
     fn fault_settings_come_from_flags_the_environment_or_the_file() {
-        let file = Config {
+        let file = Settings {
             max_restarts: Some(2),
-            ..Config::default()
+            ..Settings::default()
         };
         let flags = LaunchArgs {
-            debug_sync: Some(false),
+            settings: Settings {
+                debug_sync: Some(false),
+                ..Settings::default()
+            },
             ..LaunchArgs::default()
         };
         let inherited = env(&[("IVME_COLLECTIVE_TIMEOUT", "2m"), ("IVME_DEBUG_SYNC", "1")]);
         let p = Path::new("/cfg.toml");
         let (a, o) = merge(flags, Some((p, &file)), &inherited).unwrap();
-        assert_eq!(a.max_restarts, Some(2));
+        assert_eq!(a.settings.max_restarts, Some(2));
         assert_eq!(
             origin(&o, "max_restarts").describe(),
             "config file /cfg.toml"
         );
         assert_eq!(
-            a.collective_timeout,
+            a.settings.collective_timeout,
             Some(std::time::Duration::from_secs(120))
         );
         assert_eq!(
             origin(&o, "collective_timeout").from,
             From::Env("IVME_COLLECTIVE_TIMEOUT")
         );
-        assert_eq!(a.debug_sync, Some(false));
+        assert_eq!(a.settings.debug_sync, Some(false));
         assert_eq!(origin(&o, "debug_sync").from, From::Flag);
         let e = merge(
             LaunchArgs::default(),
@@ -385,16 +346,19 @@ mod tests {
 
     #[test]
     fn a_hostfile_flag_replaces_the_files_machines() {
-        let file = Config {
+        let file = Settings {
             num_machines: Some(3),
             hosts: Some(vec!["a".into(), "b".into(), "c".into()]),
-            ..Config::default()
+            ..Settings::default()
         };
         let flags = LaunchArgs {
-            hostfile: Some("h".into()),
+            settings: Settings {
+                hostfile: Some("h".into()),
+                ..Settings::default()
+            },
             ..LaunchArgs::default()
         };
         let (a, _) = merge(flags, Some((Path::new("c"), &file)), &[]).unwrap();
-        assert_eq!((a.num_machines, a.hosts), (None, None));
+        assert_eq!((a.settings.num_machines, a.settings.hosts), (None, None));
     }
 }
