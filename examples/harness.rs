@@ -3,7 +3,7 @@
 //! rates) to `out/rank{R}.json` so a test can compare it with plain candle.
 //!
 //! Arguments are `key=value`: `opt=sgd|adamw steps=K batch=B n=N accum=A precision=no|fp16|bf16
-//! lr=F momentum=F clip_norm=F clip_value=F sharding=no|optimizer|gradients shuffle=0|1 sched=none|step|warmup dropout=P project=DIR save_at=K resume=1 resave=DIR model_in=FILE model_out=DIR async=0|1 break=rng|loader|scheduler|optimizer loss_scale=F init_scale=F inject_inf_at=I out=DIR`.
+//! cpu=0|1 lr=F momentum=F clip_norm=F clip_value=F sharding=no|optimizer|gradients shuffle=0|1 sched=none|step|warmup dropout=P project=DIR save_at=K resume=1 resave=DIR model_in=FILE model_out=DIR async=0|1 break=rng|loader|scheduler|optimizer loss_scale=F init_scale=F inject_inf_at=I out=DIR`.
 //! `steps` counts micro-steps in all (a resumed run trains only the rest; none when the loaded
 //! state is already there); `resave` saves the state again right after the load; `model_out`
 //! saves the model (`save_model`) at the end; `model_in` loads one (`load_model`) after prepare.
@@ -122,7 +122,8 @@ fn main() -> ivme::Result<()> {
     let mut builder = Accelerator::builder()
         .grad_accum(args.get("accum", 1))
         .precision(precision)
-        .cpu(true);
+        // The CPU unless `cpu=0` (scripts/gpu-check.sh compares a GPU's run with the CPU's).
+        .cpu(args.get("cpu", 1u8) == 1);
     // Left to the launcher's environment (IVME_SHARDING) unless given.
     if let Some(s) = args.0.get("sharding") {
         builder = builder.sharding(s.parse::<Sharding>()?);
@@ -314,6 +315,12 @@ fn main() -> ivme::Result<()> {
     let path = format!("{out}/rank{rank}.json");
     std::fs::write(&path, serde_json::to_vec_pretty(&report)?)
         .map_err(|e| ivme::Error::io(format!("writing {path}"), e))?;
+    // One line to compare runs by (scripts/gpu-check.sh: a GPU's result against the CPU's).
+    let squares: f64 = params.values().flatten().map(|&x| f64::from(x).powi(2)).sum();
+    acc.print(format!(
+        "harness: trained on {:?}; sum of squared master weights {squares:.9}",
+        dev.location()
+    ));
     Ok(())
 }
 
