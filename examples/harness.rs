@@ -316,7 +316,11 @@ fn main() -> ivme::Result<()> {
     std::fs::write(&path, serde_json::to_vec_pretty(&report)?)
         .map_err(|e| ivme::Error::io(format!("writing {path}"), e))?;
     // One line to compare runs by (scripts/gpu-check.sh: a GPU's result against the CPU's).
-    let squares: f64 = params.values().flatten().map(|&x| f64::from(x).powi(2)).sum();
+    let squares: f64 = params
+        .values()
+        .flatten()
+        .map(|&x| f64::from(x).powi(2))
+        .sum();
     acc.print(format!(
         "harness: trained on {:?}; sum of squared master weights {squares:.9}",
         dev.location()
