@@ -317,13 +317,7 @@ impl Accelerator {
         let check = self.mixed.scales_loss();
         let need_norm = self.sync.clip_norm().is_some();
         let (mut overflow, mut squares) = (false, 0.0);
-        for (m, _) in self
-            .training
-            .models_mut()
-            .iter_mut()
-            .zip(touched)
-            .filter(|(_, t)| **t)
-        {
+        for m in self.training.touched_mut(touched) {
             let p = m.take_sharded(
                 &self.comm,
                 position,
@@ -365,13 +359,7 @@ impl Accelerator {
         if let Some(v) = self.sync.clip_value() {
             scale_all(&mut store, self.training.models(), |g| g.clamp(-v, v))?;
         }
-        for (m, _) in self
-            .training
-            .models_mut()
-            .iter_mut()
-            .zip(touched)
-            .filter(|(_, t)| **t)
-        {
+        for m in self.training.touched_mut(touched) {
             let shard = m.shard.as_mut().expect("a sharded model");
             let Some(step) = shard.stepper.as_mut() else {
                 return Err(Error::Prepare(

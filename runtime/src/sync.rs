@@ -105,13 +105,7 @@ impl Accelerator {
                 // Only the models this loss reached end their window here: another model
                 // trained in the same micro-step (a second loss, a GAN's other half) ends it at
                 // its own backward.
-                for (m, _) in self
-                    .training
-                    .models_mut()
-                    .iter_mut()
-                    .zip(touched)
-                    .filter(|(_, t)| **t)
-                {
+                for m in self.training.touched_mut(touched) {
                     overflow |= m.take_synced(
                         &self.comm,
                         position,

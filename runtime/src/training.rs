@@ -34,6 +34,19 @@ impl Training {
         &mut self.models
     }
 
+    /// The models a micro-step's loss reached (`touched[i]` for model `i`), to end their
+    /// window: another model trained in the same micro-step ends it at its own backward.
+    pub(crate) fn touched_mut<'a>(
+        &'a mut self,
+        touched: &'a [bool],
+    ) -> impl Iterator<Item = &'a mut ParamSet> + 'a {
+        self.models
+            .iter_mut()
+            .zip(touched)
+            .filter(|(_, t)| **t)
+            .map(|(m, _)| m)
+    }
+
     /// Adds a prepared model; it is model `models().len() - 1` from now on.
     pub(crate) fn add_model(&mut self, model: ParamSet) {
         self.models.push(model);
