@@ -218,12 +218,7 @@ impl Communicator for MpiComm {
 
     fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
         refuse_integer_mean(t.dtype(), op)?;
-        let desc = Op {
-            kind: OpKind::AllReduce,
-            count: t.elem_count() as u64,
-            root: 0,
-            position: 0,
-        };
+        let desc = Op::new(OpKind::AllReduce, t.elem_count());
         self.collective(desc, || match t.dtype() {
             DType::F64 => {
                 let send = t.flatten_all()?.to_vec1::<f64>()?;
@@ -247,12 +242,7 @@ impl Communicator for MpiComm {
     }
 
     fn all_reduce_checked(&self, t: &Tensor, op: ReduceOp, position: u64) -> Result<Tensor> {
-        let desc = Op {
-            kind: OpKind::GradSync,
-            count: t.elem_count() as u64,
-            root: 0,
-            position,
-        };
+        let desc = Op::new(OpKind::GradSync, t.elem_count()).at(position);
         // The position travels in the arrival token: ranks whose data stands at different
         // batches fail here instead of averaging gradients of different steps.
         self.collective(desc, || self.reduce_f32(t, op))
@@ -260,12 +250,7 @@ impl Communicator for MpiComm {
 
     fn all_reduce_sum_into(&self, send: &[f32], recv: &mut [f32], position: u64) -> Result<()> {
         super::check_lengths(send, recv)?;
-        let desc = Op {
-            kind: OpKind::GradSync,
-            count: send.len() as u64,
-            root: 0,
-            position,
-        };
+        let desc = Op::new(OpKind::GradSync, send.len()).at(position);
         // Every rank is in this call once the tokens matched, so the blocking reduction
         // returns with `recv` filled: nothing of the caller's buffers outlives the call.
         self.collective(desc, || {
@@ -290,13 +275,8 @@ impl Communicator for MpiComm {
             send.len(),
         )?;
         let counts = shard_counts(counts, 1)?;
-        let desc = Op {
-            kind: OpKind::ReduceScatter,
-            count: send.len() as u64,
-            root: 0,
-            // Checked like the gradient all-reduce: ranks whose data drifted apart fail here.
-            position,
-        };
+        // Checked like the gradient all-reduce: ranks whose data drifted apart fail here.
+        let desc = Op::new(OpKind::ReduceScatter, send.len()).at(position);
         self.collective(desc, || {
             // SAFETY: `send` holds the sum of `counts` f32 values and `recv` this rank's count
             // (checked above); every rank is in this call, so the blocking reduction returns
@@ -342,12 +322,7 @@ impl Communicator for MpiComm {
                 Some(d)
             })
             .collect();
-        let desc = Op {
-            kind: OpKind::AllGatherInto,
-            count: recv.len() as u64,
-            root: 0,
-            position: 0,
-        };
+        let desc = Op::new(OpKind::AllGatherInto, recv.len());
         self.collective(desc, || {
             let mut part = PartitionMut::new(recv, &bytes[..], &displs[..]);
             self.world.all_gather_varcount_into(send, &mut part);
@@ -356,12 +331,7 @@ impl Communicator for MpiComm {
     }
 
     fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
-        let desc = Op {
-            kind: OpKind::Broadcast,
-            count: t.elem_count() as u64,
-            root: root as u64,
-            position: 0,
-        };
+        let desc = Op::new(OpKind::Broadcast, t.elem_count()).rooted(root);
         self.collective(desc, || match t.dtype() {
             DType::F64 => {
                 let data = self.bcast_vec(t.flatten_all()?.to_vec1::<f64>()?, root);
@@ -379,12 +349,7 @@ impl Communicator for MpiComm {
     }
 
     fn all_gather(&self, t: &Tensor) -> Result<Tensor> {
-        let desc = Op {
-            kind: OpKind::AllGather,
-            count: t.elem_count() as u64,
-            root: 0,
-            position: 0,
-        };
+        let desc = Op::new(OpKind::AllGather, t.elem_count());
         self.collective(desc, || {
             // Shapes must agree, or MPI would read past buffers: check first, cheaply.
             let dims: Vec<u8> = t
@@ -416,12 +381,7 @@ impl Communicator for MpiComm {
     }
 
     fn broadcast_bytes(&self, bytes: Vec<u8>, root: usize) -> Result<Vec<u8>> {
-        let desc = Op {
-            kind: OpKind::BroadcastBytes,
-            count: 0,
-            root: root as u64,
-            position: 0,
-        };
+        let desc = Op::new(OpKind::BroadcastBytes, 0).rooted(root);
         self.collective(desc, || {
             let len = self.bcast_vec(vec![bytes.len() as u64], root)[0];
             let buf = if self.rank() == root {
@@ -437,22 +397,12 @@ impl Communicator for MpiComm {
     }
 
     fn all_gather_bytes(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
-        let desc = Op {
-            kind: OpKind::AllGatherBytes,
-            count: 0,
-            root: 0,
-            position: 0,
-        };
+        let desc = Op::new(OpKind::AllGatherBytes, 0);
         self.collective(desc, || Ok(self.gather_bytes(bytes)))
     }
 
     fn barrier(&self) -> Result<()> {
-        let desc = Op {
-            kind: OpKind::Barrier,
-            count: 0,
-            root: 0,
-            position: 0,
-        };
+        let desc = Op::new(OpKind::Barrier, 0);
         // Every rank arriving at the same call is the barrier.
         self.collective(desc, || Ok(()))
     }

@@ -199,12 +199,7 @@ impl Communicator for NcclComm {
             return self.control.all_reduce(t, op);
         }
         refuse_integer_mean(t.dtype(), op)?;
-        let desc = Op {
-            kind: OpKind::AllReduce,
-            count: t.elem_count() as u64,
-            root: 0,
-            position: 0,
-        };
+        let desc = Op::new(OpKind::AllReduce, t.elem_count());
         self.guarded(desc, || {
             self.in_place(t, &Collective::AllReduce(&self.nccl, op))
         })
@@ -214,12 +209,7 @@ impl Communicator for NcclComm {
         if !is_cuda(t) {
             return self.control.all_reduce_checked(t, op, position);
         }
-        let desc = Op {
-            kind: OpKind::GradSync,
-            count: t.elem_count() as u64,
-            root: 0,
-            position,
-        };
+        let desc = Op::new(OpKind::GradSync, t.elem_count()).at(position);
         self.guarded(desc, || {
             self.in_place(t, &Collective::AllReduce(&self.nccl, op))
         })
@@ -254,12 +244,7 @@ impl Communicator for NcclComm {
         if !is_cuda(t) {
             return self.control.broadcast(t, root);
         }
-        let desc = Op {
-            kind: OpKind::Broadcast,
-            count: t.elem_count() as u64,
-            root: root as u64,
-            position: 0,
-        };
+        let desc = Op::new(OpKind::Broadcast, t.elem_count()).rooted(root);
         self.guarded(desc, || {
             self.in_place(t, &Collective::Broadcast(&self.nccl, root))
         })
@@ -276,12 +261,7 @@ impl Communicator for NcclComm {
         };
         let mut dims = t.dims().to_vec();
         dims[0] *= self.world_size();
-        let desc = Op {
-            kind: OpKind::AllGather,
-            count: t.elem_count() as u64,
-            root: 0,
-            position: 0,
-        };
+        let desc = Op::new(OpKind::AllGather, t.elem_count());
         let (comm, device) = (&self.nccl, &self.device);
         let storage = self.guarded(desc, || match t.dtype() {
             DType::F32 => gather::<f32>(comm, device, &t),

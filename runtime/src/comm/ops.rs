@@ -84,6 +84,32 @@ impl OpKind {
     }
 }
 
+impl Op {
+    /// A collective of `count` elements per rank (0 where ranks may differ), rooted at rank 0,
+    /// at no data position.
+    pub(crate) fn new(kind: OpKind, count: usize) -> Op {
+        Op {
+            kind,
+            count: count as u64,
+            root: 0,
+            position: 0,
+        }
+    }
+
+    /// The same collective rooted at `root`.
+    pub(crate) fn rooted(self, root: usize) -> Op {
+        Op {
+            root: root as u64,
+            ..self
+        }
+    }
+
+    /// The same collective where the data stands at `position` (the gradient sync's check).
+    pub(crate) fn at(self, position: u64) -> Op {
+        Op { position, ..self }
+    }
+}
+
 impl fmt::Display for Op {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}", self.kind.name())?;
