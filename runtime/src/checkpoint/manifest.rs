@@ -12,8 +12,9 @@ use crate::error::Result;
 
 /// Version of the folder layout written by this build.
 pub const FORMAT_VERSION: u32 = 1;
-/// The candle release ivme is built against, recorded in every manifest.
-pub const CANDLE_VERSION: &str = "0.11.1";
+/// The candle release ivme is built against (read from Cargo.lock by build.rs), recorded in
+/// every manifest.
+pub const CANDLE_VERSION: &str = env!("IVME_BUILD_CANDLE");
 /// The file whose presence (and checksum) marks a committed checkpoint.
 pub const MANIFEST_FILE: &str = "manifest.json";
 /// The per-rank file listing that rank's components in saving order.
