@@ -1,10 +1,11 @@
 //! `ivme config`: the questionnaire that writes the config file, `ivme config default`, which
 //! writes a sane one without asking, and `ivme config show`, which prints the one in use.
 
-use crate::args::{self, Flag, Kind};
+use crate::cli::{self, Checked};
 use crate::hosts::Hosts;
 use crate::prompt::{Lines, Prompter, Terminal};
 use crate::settings::{Location, Settings, BACKENDS};
+use clap::Parser;
 use ivme::{Error, Precision, Result};
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
@@ -12,29 +13,27 @@ use std::path::{Path, PathBuf};
 /// The subcommand's name.
 pub const COMMAND: &str = "config";
 
-const FLAGS: &[Flag] = &[
-    Flag {
-        name: "config_file",
-        kind: Kind::Value("file"),
-        help: "the file to write or show (default: $IVME_CONFIG, else ~/.config/ivme/default_config.toml)",
-        example: "ivme.toml",
-    },
-    Flag {
-        name: "force",
-        kind: Kind::Switch,
-        help: "`config default` only: replace an existing file",
-        example: "",
-    },
-];
+/// Write or show the settings `ivme launch` reads, so that `ivme launch PROGRAM` needs no flags.
+#[derive(Parser, Debug)]
+#[command(rename_all = "snake_case", override_usage = usage())]
+struct Flags {
+    /// the file to write or show (default: $IVME_CONFIG, else ~/.config/ivme/default_config.toml)
+    #[arg(long, value_name = "file", value_parser = Checked(cli::text))]
+    config_file: Option<String>,
+    /// `config default` only: replace an existing file
+    #[arg(long, value_name = cli::SWITCH)]
+    force: Option<bool>,
+    /// Words after the flags, which `ivme config` does not take.
+    #[arg(hide = true)]
+    extra: Vec<String>,
+}
 
 fn usage() -> String {
     format!(
-        "Write or show the settings `ivme launch` reads, so that `ivme launch PROGRAM` needs no flags.\n\n\
-         Usage:\n  ivme config [--config_file FILE]           answer a few questions (piped answers work too)\n  \
+        "\n  ivme config [--config_file FILE]           answer a few questions (piped answers work too)\n  \
          ivme config default [--config_file FILE]   write one process, {}, no mixed precision\n  \
-         ivme config show [--config_file FILE]      print the file in use and its path\n\nFlags:\n{}",
+         ivme config show [--config_file FILE]      print the file in use and its path",
         if cfg!(feature = "cuda") { "GPU" } else { "CPU" },
-        args::help_table(FLAGS)
     )
 }
 
@@ -44,13 +43,11 @@ pub fn main(words: &[String]) -> Result<i32> {
         Some(s @ ("default" | "show")) => (s, &words[1..]),
         _ => ("ask", words),
     };
-    let s = args::scan(COMMAND, FLAGS, rest)?;
-    if s.help {
-        print!("{}", usage());
+    let Some(flags) = cli::read::<Flags>(COMMAND, rest)? else {
         return Ok(0);
-    }
-    if let Some(extra) = s.rest.first() {
-        let hint = args::closest(extra, ["default", "show"].into_iter())
+    };
+    if let Some(extra) = flags.extra.first() {
+        let hint = cli::closest(extra, ["default", "show"].into_iter())
             .map(|c| format!("did you mean `ivme config {c}`? "))
             .unwrap_or_default();
         return Err(Error::Usage(format!(
@@ -58,13 +55,13 @@ pub fn main(words: &[String]) -> Result<i32> {
              or `ivme config show`"
         )));
     }
-    let force = args::switch(&s, "force")?.unwrap_or(false);
+    let force = flags.force.unwrap_or(false);
     if force && sub != "default" {
         return Err(Error::Usage(
             "`--force` belongs to `ivme config default`".into(),
         ));
     }
-    let location = Location::find(s.value("config_file").map(Path::new), |k| {
+    let location = Location::find(flags.config_file.as_deref().map(Path::new), |k| {
         std::env::var(k).ok()
     })?;
     match sub {

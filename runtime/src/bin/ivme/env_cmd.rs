@@ -1,9 +1,10 @@
 //! `ivme env`: everything a bug report needs about this installation, ready to paste.
 
-use crate::args::{self, Flag, Kind};
+use crate::cli::{self, Checked};
 use crate::mpirun::MPIRUN_VAR;
 use crate::process;
 use crate::settings::Location;
+use clap::Parser;
 use ivme::Result;
 use std::path::Path;
 use std::process::Command;
@@ -11,13 +12,14 @@ use std::process::Command;
 /// The subcommand's name.
 pub const COMMAND: &str = "env";
 
-const FLAGS: &[Flag] = &[Flag {
-    name: "config_file",
-    kind: Kind::Value("file"),
-    help:
-        "the config file to report (default: $IVME_CONFIG, else ~/.config/ivme/default_config.toml)",
-    example: "ivme.toml",
-}];
+/// Print versions, hardware and the config in use, for a bug report.
+#[derive(Parser, Debug)]
+#[command(rename_all = "snake_case")]
+struct Flags {
+    /// the config file to report (default: $IVME_CONFIG, else ~/.config/ivme/default_config.toml)
+    #[arg(long, value_name = "file", value_parser = Checked(cli::text))]
+    config_file: Option<String>,
+}
 
 /// The first line a command prints (stdout, else stderr), if it runs at all.
 fn first_line(program: &Path, args: &[&str]) -> Option<String> {
@@ -159,22 +161,11 @@ pub fn report(location: &Location, get: impl Fn(&str) -> Option<String>) -> Stri
 
 /// Runs `ivme env` and returns the exit code.
 pub fn main(words: &[String]) -> Result<i32> {
-    let s = args::scan(COMMAND, FLAGS, words)?;
-    if s.help {
-        print!(
-            "Print versions, hardware and the config in use, for a bug report.\n\n\
-             Usage: ivme env [--config_file FILE]\n\nFlags:\n{}",
-            args::help_table(FLAGS)
-        );
+    let Some(flags) = cli::read::<Flags>(COMMAND, words)? else {
         return Ok(0);
-    }
-    if let Some(extra) = s.rest.first() {
-        return Err(ivme::Error::Usage(format!(
-            "`ivme env` takes no `{extra}`; run `ivme env --help`"
-        )));
-    }
+    };
     let get = |k: &str| std::env::var(k).ok();
-    let location = Location::find(s.value("config_file").map(Path::new), get)?;
+    let location = Location::find(flags.config_file.as_deref().map(Path::new), get)?;
     println!("{}", report(&location, get));
     Ok(0)
 }

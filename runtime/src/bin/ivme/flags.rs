@@ -1,108 +1,80 @@
 //! The flags of `ivme launch`, read into [`LaunchArgs`]: every field optional, so that the
 //! environment and a config file can fill what the flags leave unset (sources.rs).
 
-use crate::args::{self, Flag, Kind};
-use crate::faults;
+use crate::cli::{self, Checked};
 use crate::mpirun;
 use crate::settings::Settings;
-use ivme::{Error, Precision, Result, Sharding};
+use clap::Parser;
+use ivme::{Precision, Result, Sharding};
 use std::path::PathBuf;
+use std::time::Duration;
 
 /// The subcommand's name.
 pub const COMMAND: &str = "launch";
 
-const NUM_PROCESSES: Flag = Flag {
-    name: "num_processes",
-    kind: Kind::Value("count"),
-    help: "how many processes to start (default 1; more than 1 goes through mpirun)",
-    example: "2",
-};
-const GRAD_ACCUM: Flag = Flag {
-    name: "gradient_accumulation_steps",
-    kind: Kind::Value("steps"),
-    help: "micro-batches per optimizer step, passed as IVME_GRAD_ACCUM",
-    example: "4",
-};
-const NUM_MACHINES: Flag = Flag {
-    name: "num_machines",
-    kind: Kind::Value("count"),
-    help: "machines in the run (more than 1 needs the config's `hosts` or --hostfile)",
-    example: "2",
-};
-const MACHINE_RANK: Flag = Flag {
-    name: "machine_rank",
-    kind: Kind::Value("rank"),
-    help: "this machine's rank; only rank 0 starts anything (it starts every machine's ranks)",
-    example: "0",
-};
-const MAIN_PORT: Flag = Flag {
-    name: "main_process_port",
-    kind: Kind::Value("port"),
-    help: "rendezvous port on the main machine, passed as IVME_MAIN_PROCESS_PORT",
-    example: "29500",
-};
+/// Start PROGRAM on one or more processes, with ivme's settings in its environment.
+#[derive(Parser, Debug)]
+#[command(
+    rename_all = "snake_case",
+    override_usage = "ivme launch [FLAGS] PROGRAM [ARGS...]",
+    after_help = notes()
+)]
+struct Flags {
+    /// how many processes to start (default 1; more than 1 goes through mpirun)
+    #[arg(long, value_name = "count", value_parser = Checked(cli::positive))]
+    num_processes: Option<usize>,
+    /// compute on the CPU even where a GPU is present (IVME_CPU=1)
+    #[arg(long, value_name = cli::SWITCH)]
+    cpu: Option<bool>,
+    /// machines to run on, one per line (`node1 slots=4`), handed to mpirun
+    #[arg(long, value_name = "file", value_parser = Checked(cli::text))]
+    hostfile: Option<String>,
+    /// compute precision, passed as IVME_PRECISION
+    #[arg(long, value_name = "no|fp16|bf16", value_parser = Checked(cli::precision))]
+    mixed_precision: Option<Precision>,
+    /// ZeRO sharding stage (or 0|1|2), passed as IVME_SHARDING
+    #[arg(long, value_name = "no|optimizer|gradients", value_parser = Checked(cli::sharding))]
+    sharding: Option<Sharding>,
+    /// micro-batches per optimizer step, passed as IVME_GRAD_ACCUM
+    #[arg(long, value_name = "steps", value_parser = Checked(cli::positive))]
+    gradient_accumulation_steps: Option<usize>,
+    /// machines in the run (more than 1 needs the config's `hosts` or --hostfile)
+    #[arg(long, value_name = "count", value_parser = Checked(cli::positive))]
+    num_machines: Option<usize>,
+    /// this machine's rank; only rank 0 starts anything (it starts every machine's ranks)
+    #[arg(long, value_name = "rank", value_parser = Checked(cli::machine_rank))]
+    machine_rank: Option<usize>,
+    /// the main machine's address (the first of the machines), as IVME_MAIN_PROCESS_IP
+    #[arg(long, value_name = "address", value_parser = Checked(cli::text))]
+    main_process_ip: Option<String>,
+    /// rendezvous port on the main machine, passed as IVME_MAIN_PROCESS_PORT
+    #[arg(long, value_name = "port", value_parser = Checked(cli::port))]
+    main_process_port: Option<u16>,
+    /// relaunch a failed job up to this many times (default 0); ranks see IVME_RESTART_COUNT
+    #[arg(long, value_name = "count", value_parser = Checked(cli::restarts))]
+    max_restarts: Option<usize>,
+    /// deadline of each collective (90, 90s, 10m, 1h, 500ms), as IVME_COLLECTIVE_TIMEOUT seconds
+    #[arg(long, value_name = "duration", value_parser = Checked(cli::duration))]
+    collective_timeout: Option<Duration>,
+    /// check that the ranks call the same collectives in the same order (IVME_DEBUG_SYNC=1)
+    #[arg(long, value_name = cli::SWITCH)]
+    debug_sync: Option<bool>,
+    /// the config file to read (default: $IVME_CONFIG, else ~/.config/ivme/default_config.toml)
+    #[arg(long, value_name = "file", value_parser = Checked(cli::text))]
+    config_file: Option<String>,
+    /// print the settings with their sources, the command and environment; run nothing
+    #[arg(long, value_name = cli::SWITCH)]
+    dry_run: Option<bool>,
+    /// the program to start and its arguments, passed to it unchanged
+    #[arg(trailing_var_arg = true, value_name = "PROGRAM")]
+    command: Vec<String>,
+}
 
-/// The flags `ivme launch` accepts.
-pub const FLAGS: &[Flag] = &[
-    NUM_PROCESSES,
-    Flag {
-        name: "cpu",
-        kind: Kind::Switch,
-        help: "compute on the CPU even where a GPU is present (IVME_CPU=1)",
-        example: "",
-    },
-    Flag {
-        name: "hostfile",
-        kind: Kind::Value("file"),
-        help: "machines to run on, one per line (`node1 slots=4`), handed to mpirun",
-        example: "hosts.txt",
-    },
-    Flag {
-        name: "mixed_precision",
-        kind: Kind::Value("no|fp16|bf16"),
-        help: "compute precision, passed as IVME_PRECISION",
-        example: "bf16",
-    },
-    Flag {
-        name: "sharding",
-        kind: Kind::Value("no|optimizer|gradients"),
-        help: "ZeRO sharding stage (or 0|1|2), passed as IVME_SHARDING",
-        example: "gradients",
-    },
-    GRAD_ACCUM,
-    NUM_MACHINES,
-    MACHINE_RANK,
-    Flag {
-        name: "main_process_ip",
-        kind: Kind::Value("address"),
-        help: "the main machine's address (the first of the machines), as IVME_MAIN_PROCESS_IP",
-        example: "10.0.0.1",
-    },
-    MAIN_PORT,
-    faults::MAX_RESTARTS,
-    faults::COLLECTIVE_TIMEOUT,
-    faults::DEBUG_SYNC,
-    Flag {
-        name: "config_file",
-        kind: Kind::Value("file"),
-        help: "the config file to read (default: $IVME_CONFIG, else ~/.config/ivme/default_config.toml)",
-        example: "ivme.toml",
-    },
-    Flag {
-        name: "dry_run",
-        kind: Kind::Switch,
-        help: "print the settings with their sources, the command and environment; run nothing",
-        example: "",
-    },
-];
-
-/// The help text for `ivme launch --help`.
-pub fn usage() -> String {
+/// What `ivme launch --help` says after the flags.
+fn notes() -> String {
     format!(
-        "Start PROGRAM on one or more processes, with ivme's settings in its environment.\n\n\
-         Usage: ivme launch [FLAGS] PROGRAM [ARGS...]\n\n\
-         Flags (`--num-processes` and `--num_processes=2` work too):\n{}\
-         \nEverything after PROGRAM is passed to it unchanged. Each rank sees IVME_NUM_PROCESSES,\n\
+        "Flags come before PROGRAM (`--num-processes` and `--num_processes=2` work too);\n\
+         everything after PROGRAM is passed to it unchanged. Each rank sees IVME_NUM_PROCESSES,\n\
          IVME_LAUNCHER=ivme, RAYON_NUM_THREADS (cores shared between the ranks on a machine, unless\n\
          already set), glibc allocator settings on Linux (MALLOC_MMAP_THRESHOLD_ and\n\
          MALLOC_TRIM_THRESHOLD_ unless set; IVME_MALLOC_TUNING=0 turns them off) and the variables\n\
@@ -117,8 +89,7 @@ pub fn usage() -> String {
          \nWhen a rank fails, the job ends; with --max_restarts N it is started again, up to N\n\
          times (never after Ctrl-C), and each rank sees IVME_RESTART_COUNT (0 at first), so a\n\
          program that calls `load_state_if_any` right after preparing continues from its newest\n\
-         checkpoint.\n",
-        args::help_table(FLAGS),
+         checkpoint.",
         mpirun::MPIRUN_VAR
     )
 }
@@ -139,77 +110,39 @@ pub struct LaunchArgs {
     pub program_args: Vec<String>,
 }
 
-/// What the command line asked for.
-#[derive(Debug, PartialEq)]
-pub enum Parsed {
-    /// `--help`: print the usage and stop.
-    Help,
-    /// A launch.
-    Launch(Box<LaunchArgs>),
-}
+/// What the command line asked for: the help text, or a launch.
+pub type Parsed = cli::Parsed<Box<LaunchArgs>>;
 
 impl LaunchArgs {
     /// Reads the arguments that follow `ivme launch`.
     pub fn parse(words: &[String]) -> Result<Parsed> {
-        let s = args::scan(COMMAND, FLAGS, words)?;
-        if s.help {
-            return Ok(Parsed::Help);
-        }
-        let mixed_precision = match s.value("mixed_precision") {
-            None => None,
-            Some(raw) => Some(raw.parse::<Precision>().map_err(|_| {
-                Error::Usage(format!(
-                    "`--mixed_precision {raw}` is not a precision; use one of {}",
-                    Precision::VALID.join(", ")
-                ))
-            })?),
+        let f = match cli::parse::<Flags>(COMMAND, words)? {
+            cli::Parsed::Help(text) => return Ok(cli::Parsed::Help(text)),
+            cli::Parsed::Args(f) => f,
         };
-        let sharding = match s.value("sharding") {
-            None => None,
-            Some(raw) => Some(raw.parse::<Sharding>().map_err(|_| {
-                Error::Usage(format!(
-                    "`--sharding {raw}` is not a sharding stage; use one of {}",
-                    Sharding::VALID.join(", ")
-                ))
-            })?),
-        };
-        let machine_rank = match s.value("machine_rank") {
-            None => None,
-            Some(raw) => Some(raw.trim().parse::<usize>().map_err(|_| {
-                Error::Usage(format!(
-                    "`--machine_rank {raw}` is not a whole number; machine ranks count from 0, e.g. `--machine_rank 0`"
-                ))
-            })?),
-        };
-        let main_process_port = match args::positive(&s, &MAIN_PORT)? {
-            None => None,
-            Some(p) => Some(u16::try_from(p).map_err(|_| {
-                Error::Usage(format!("`--main_process_port {p}` is not a port; use 1 to 65535, e.g. `--main_process_port 29500`"))
-            })?),
-        };
-        let mut rest = s.rest.clone().into_iter();
         let settings = Settings {
-            num_processes: args::positive(&s, &NUM_PROCESSES)?,
-            cpu: args::switch(&s, "cpu")?,
-            hostfile: s.value("hostfile").map(PathBuf::from),
-            mixed_precision,
-            sharding,
-            gradient_accumulation_steps: args::positive(&s, &GRAD_ACCUM)?,
-            num_machines: args::positive(&s, &NUM_MACHINES)?,
-            machine_rank,
-            main_process_ip: s.value("main_process_ip").map(str::to_string),
-            main_process_port,
-            max_restarts: faults::max_restarts(&s)?,
-            collective_timeout: faults::collective_timeout(&s)?,
-            debug_sync: args::switch(&s, faults::DEBUG_SYNC.name)?,
+            num_processes: f.num_processes,
+            cpu: f.cpu,
+            hostfile: f.hostfile.map(PathBuf::from),
+            mixed_precision: f.mixed_precision,
+            sharding: f.sharding,
+            gradient_accumulation_steps: f.gradient_accumulation_steps,
+            num_machines: f.num_machines,
+            machine_rank: f.machine_rank,
+            main_process_ip: f.main_process_ip,
+            main_process_port: f.main_process_port,
+            max_restarts: f.max_restarts,
+            collective_timeout: f.collective_timeout,
+            debug_sync: f.debug_sync,
             ..Settings::default()
         };
-        Ok(Parsed::Launch(Box::new(LaunchArgs {
+        let mut command = f.command.into_iter();
+        Ok(cli::Parsed::Args(Box::new(LaunchArgs {
             settings,
-            config_file: s.value("config_file").map(PathBuf::from),
-            dry_run: args::switch(&s, "dry_run")?.unwrap_or(false),
-            program: rest.next(),
-            program_args: rest.collect(),
+            config_file: f.config_file.map(PathBuf::from),
+            dry_run: f.dry_run.unwrap_or(false),
+            program: command.next(),
+            program_args: command.collect(),
         })))
     }
 }

@@ -5,8 +5,9 @@
 //! reads which ranks failed and picks the exit code. With `--max_restarts N` a failed job is
 //! run again, whole, up to N times; a stop the user asked for (Ctrl-C, SIGTERM) never is.
 
+use crate::cli::Parsed;
 use crate::faults;
-use crate::flags::{usage, LaunchArgs, Parsed};
+use crate::flags::LaunchArgs;
 use crate::mpirun::{Flavor, Mpirun};
 use crate::plan::{Context, Invocation, LaunchPlan, Machine};
 use crate::process::{self, Outcome};
@@ -40,11 +41,11 @@ fn fresh_status_dir() -> PathBuf {
 /// Runs `ivme launch` and returns the exit code.
 pub fn main(words: &[String]) -> Result<i32> {
     let args = match LaunchArgs::parse(words)? {
-        Parsed::Help => {
-            print!("{}", usage());
+        Parsed::Help(text) => {
+            print!("{text}");
             return Ok(0);
         }
-        Parsed::Launch(args) => *args,
+        Parsed::Args(args) => *args,
     };
     // Variables that are not UTF-8 cannot be ivme's; skipping them avoids env::vars' panic.
     let inherited: Vec<(String, String)> = std::env::vars_os()

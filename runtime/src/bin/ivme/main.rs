@@ -3,7 +3,7 @@
 //! Each subcommand lives in its own module with a `main(&[String]) -> Result<i32>`; this file
 //! only picks one and turns its result into an exit status.
 
-mod args;
+mod cli;
 mod config_cmd;
 mod env_cmd;
 mod expand;
@@ -93,7 +93,7 @@ fn run(argv: &[String]) -> Result<i32> {
             Ok(0)
         }
         other => {
-            let hint = args::closest(other, COMMANDS.iter().map(|(n, _)| *n))
+            let hint = cli::closest(other, COMMANDS.iter().map(|(n, _)| *n))
                 .map(|c| format!("did you mean `ivme {c}`? "))
                 .unwrap_or_default();
             let names: Vec<&str> = COMMANDS.iter().map(|(n, _)| *n).collect();

@@ -8,10 +8,11 @@
 //! loads the state back and checks that training on from it retraces the first run exactly. Ranks leave their verdict in a scratch folder
 //! the parent reads to say PASS or what failed.
 
-use crate::args::{self, Flag, Kind};
+use crate::cli::{self, Checked};
 use crate::launch;
 use candle_core::{DType, Device, Module, Tensor, Var};
 use candle_nn::{linear, Linear, Optimizer, VarBuilder, VarMap};
+use clap::Parser;
 use ivme::data::{DataLoader, TensorDataset};
 use ivme::optim::{AcceleratedOptimizer, ParamsSgd, Sgd};
 use ivme::state::EnvLayout;
@@ -24,20 +25,21 @@ pub const COMMAND: &str = "test";
 /// The hidden subcommand every rank runs.
 pub const RANK_COMMAND: &str = "__selftest";
 
-const FLAGS: &[Flag] = &[
-    Flag {
-        name: "num_processes",
-        kind: Kind::Value("count"),
-        help: "processes to test on (default: the config's, else 1)",
-        example: "2",
-    },
-    Flag {
-        name: "config_file",
-        kind: Kind::Value("file"),
-        help: "the config file to test (default: $IVME_CONFIG, else ~/.config/ivme/default_config.toml)",
-        example: "ivme.toml",
-    },
-];
+/// Train a tiny model on the configured processes and check it end to end.
+#[derive(Parser, Debug)]
+#[command(
+    rename_all = "snake_case",
+    after_help = "It checks: prepare, accumulated steps with gradient sync, identical weights \
+                  on every rank, equal to a single-process computation, save and load state."
+)]
+struct Flags {
+    /// processes to test on (default: the config's, else 1)
+    #[arg(long, value_name = "count", value_parser = Checked(cli::positive))]
+    num_processes: Option<usize>,
+    /// the config file to test (default: $IVME_CONFIG, else ~/.config/ivme/default_config.toml)
+    #[arg(long, value_name = "file", value_parser = Checked(cli::text))]
+    config_file: Option<String>,
+}
 
 const BATCH: usize = 2;
 const EPOCHS: usize = 3;
@@ -48,21 +50,9 @@ const FAULT_VAR: &str = "IVME_SELFTEST_FAULT";
 
 /// Runs `ivme test` and returns the exit code.
 pub fn main(words: &[String]) -> Result<i32> {
-    let s = args::scan(COMMAND, FLAGS, words)?;
-    if s.help {
-        print!(
-            "Train a tiny model on the configured processes and check it end to end: prepare, \
-             accumulated steps with gradient sync, identical weights on every rank, equal to a \
-             single-process computation, save and load state.\n\nUsage: ivme test [FLAGS]\n\nFlags:\n{}",
-            args::help_table(FLAGS)
-        );
+    let Some(flags) = cli::read::<Flags>(COMMAND, words)? else {
         return Ok(0);
-    }
-    if let Some(extra) = s.rest.first() {
-        return Err(Error::Usage(format!(
-            "`ivme test` takes no `{extra}`; run `ivme test --help`"
-        )));
-    }
+    };
     let nanos = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos());
@@ -71,10 +61,11 @@ pub fn main(words: &[String]) -> Result<i32> {
         .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
     let exe = std::env::current_exe().map_err(|e| Error::io("finding the ivme executable", e))?;
     let mut launch_words = Vec::new();
-    for name in ["num_processes", "config_file"] {
-        if let Some(v) = s.value(name) {
-            launch_words.extend([format!("--{name}"), v.to_string()]);
-        }
+    if let Some(n) = flags.num_processes {
+        launch_words.extend(["--num_processes".to_string(), n.to_string()]);
+    }
+    if let Some(file) = flags.config_file {
+        launch_words.extend(["--config_file".to_string(), file]);
     }
     launch_words.extend([
         exe.display().to_string(),

@@ -6,7 +6,7 @@
 //! instead of misreading it. Every key is optional; what a file leaves out falls back to the
 //! launcher's defaults.
 
-use crate::args;
+use crate::cli;
 use ivme::{Error, Precision, Result, Sharding};
 use std::path::{Path, PathBuf};
 
@@ -219,7 +219,7 @@ impl Settings {
         })?;
         for key in table.keys() {
             if !KEYS.contains(&key.as_str()) {
-                let hint = args::closest(key, KEYS.iter().copied())
+                let hint = cli::closest(key, KEYS.iter().copied())
                     .map(|c| format!("did you mean `{c}`? "))
                     .unwrap_or_default();
                 return Err(Error::Usage(format!(

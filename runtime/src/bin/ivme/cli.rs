@@ -1,0 +1,426 @@
+//! Flag parsing shared by the `ivme` subcommands, on clap's derive.
+//!
+//! Each subcommand declares its flags as a `#[derive(Parser)]` struct with snake_case names;
+//! [`parse`] accepts the kebab-case spelling too (`--num-processes`, `--num_processes=2`), and
+//! turns clap's refusals into ivme's: the flag as typed, the nearest real flag, the value to
+//! write. Launch stops reading flags at the program: everything from it on is the program's.
+
+use clap::builder::TypedValueParser;
+use clap::error::{ContextKind, ContextValue, ErrorKind};
+use clap::{Arg, ArgMatches, Command, CommandFactory, FromArgMatches};
+use ivme::{Error, Precision, Result, Sharding};
+use ivme_macros_core::edit_distance;
+use std::ffi::OsStr;
+use std::time::Duration;
+
+/// An example value for each flag that takes one, used in error messages.
+const EXAMPLES: &[(&str, &str)] = &[
+    ("num_processes", "2"),
+    ("gradient_accumulation_steps", "4"),
+    ("num_machines", "2"),
+    ("machine_rank", "0"),
+    ("main_process_ip", "10.0.0.1"),
+    ("main_process_port", "29500"),
+    ("hostfile", "hosts.txt"),
+    ("mixed_precision", "bf16"),
+    ("sharding", "gradients"),
+    ("max_restarts", "3"),
+    ("collective_timeout", "10m"),
+    ("config_file", "ivme.toml"),
+    ("max_shard_size", "2GB"),
+    ("dtype", "bf16"),
+];
+
+/// The value name that makes a flag a switch (an `Option<bool>` field): `--cpu` alone means
+/// on, and `--cpu=false` (or `=0`, `=no`, `=off`) says off.
+pub const SWITCH: &str = "on|off";
+
+/// What a command line asked for.
+#[derive(Debug, PartialEq)]
+pub enum Parsed<T> {
+    /// `--help` or `-h`: the help text to print, and nothing to run.
+    Help(String),
+    /// The flags and arguments given.
+    Args(T),
+}
+
+/// Reads the words after `ivme <command>` into `T`, or the help text for `--help`.
+pub fn parse<T: CommandFactory + FromArgMatches>(
+    command: &str,
+    words: &[String],
+) -> Result<Parsed<T>> {
+    let mut cmd = T::command()
+        .name(format!("ivme {command}"))
+        .no_binary_name(true)
+        .disable_version_flag(true)
+        .mut_args(|a| {
+            // A value may start with one dash (`-3s`, refused by its parser with a reason);
+            // a word starting with two is a flag, which [`Checked`] says is no value.
+            let a = match a.get_long() {
+                Some(long) if a.get_action().takes_values() => {
+                    debug_assert!(
+                        !example(long).is_empty() || a.get_value_names() == Some(&[SWITCH.into()]),
+                        "`--{long}` has no example in cli::EXAMPLES"
+                    );
+                    a.allow_hyphen_values(true)
+                }
+                _ => a,
+            };
+            let a = match a.get_value_names() {
+                Some([name]) if name == SWITCH => a
+                    .num_args(0..=1)
+                    .require_equals(true)
+                    .default_missing_value("true")
+                    .value_parser(Checked(switch)),
+                _ => a,
+            };
+            match a.get_long().map(|l| l.replace('_', "-")) {
+                Some(kebab) if Some(kebab.as_str()) != a.get_long() => a.alias(kebab),
+                _ => a,
+            }
+        });
+    cmd.build();
+    let matches: ArgMatches = match cmd.clone().try_get_matches_from(words) {
+        Ok(m) => m,
+        Err(e) if e.kind() == ErrorKind::DisplayHelp => {
+            return Ok(Parsed::Help(e.render().to_string()))
+        }
+        Err(e) => return Err(refusal(command, &cmd, &e)),
+    };
+    T::from_arg_matches(&matches)
+        .map(Parsed::Args)
+        .map_err(|e| refusal(command, &cmd, &e))
+}
+
+/// [`parse`], printing the help text for `--help` (then `None`: nothing more to do).
+pub fn read<T: CommandFactory + FromArgMatches>(
+    command: &str,
+    words: &[String],
+) -> Result<Option<T>> {
+    Ok(match parse(command, words)? {
+        Parsed::Help(text) => {
+            print!("{text}");
+            None
+        }
+        Parsed::Args(flags) => Some(flags),
+    })
+}
+
+/// Spells a flag the way users type it in errors and help.
+pub fn spelled(name: &str) -> String {
+    format!("--{name}")
+}
+
+fn example(name: &str) -> &'static str {
+    EXAMPLES
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map_or("", |(_, e)| e)
+}
+
+/// What to say when `arg` was given without its value.
+fn needs_value(arg: &Arg) -> String {
+    let name = arg.get_long().unwrap_or_default();
+    let flag = spelled(name);
+    let what = arg
+        .get_value_names()
+        .and_then(|v| v.first().map(ToString::to_string))
+        .unwrap_or_else(|| "value".into());
+    match example(name) {
+        "" => format!("`{flag}` needs a {what}"),
+        ex => format!("`{flag}` needs a {what}, e.g. `{flag} {ex}`"),
+    }
+}
+
+/// ivme's words for what clap refused.
+fn refusal(command: &str, cmd: &Command, e: &clap::Error) -> Error {
+    let context = |kind| match e.get(kind) {
+        Some(ContextValue::String(s)) => s.as_str(),
+        _ => "",
+    };
+    if let Some(ContextValue::String(ours)) = e.get(ContextKind::Custom) {
+        return Error::Usage(ours.clone());
+    }
+    // clap writes the flag with its value's name (`--num_processes <count>`).
+    let typed = context(ContextKind::InvalidArg);
+    let flag = typed.split([' ', '[', '=']).next().unwrap_or(typed);
+    let name = flag.trim_start_matches('-');
+    let message = match e.kind() {
+        ErrorKind::UnknownArgument if flag.starts_with('-') => {
+            let longs = cmd.get_arguments().filter_map(Arg::get_long);
+            let hint = closest(&name.replace('-', "_"), longs)
+                .map(|s| format!("did you mean `{}`? ", spelled(s)))
+                .unwrap_or_default();
+            format!(
+                "unknown flag `{flag}` for `ivme {command}`; {hint}run `ivme {command} --help` \
+                 for the flags it takes (flags for your program go after the program's name)"
+            )
+        }
+        ErrorKind::UnknownArgument => {
+            format!("`ivme {command}` takes no `{flag}`; run `ivme {command} --help`")
+        }
+        ErrorKind::ArgumentConflict if context(ContextKind::PriorArg) == typed => {
+            format!("`{flag}` is given twice; keep one")
+        }
+        ErrorKind::InvalidValue if context(ContextKind::InvalidValue).is_empty() => {
+            match cmd.get_arguments().find(|a| a.get_long() == Some(name)) {
+                Some(arg) => needs_value(arg),
+                None => format!("`{flag}` needs a value"),
+            }
+        }
+        // Anything else in clap's own words, without its `error: ` and usage lines.
+        _ => {
+            let text = e.render().to_string();
+            let first = text.lines().next().unwrap_or_default();
+            format!(
+                "{}; run `ivme {command} --help`",
+                first.trim_start_matches("error: ")
+            )
+        }
+    };
+    Error::Usage(message)
+}
+
+/// The candidate nearest to `word` when it is close enough to be a likely typo.
+pub fn closest<'a>(word: &str, candidates: impl Iterator<Item = &'a str>) -> Option<&'a str> {
+    candidates
+        .map(|c| (edit_distance(word, c), c))
+        // About one edit in three letters still reads as a typo; more is a different word.
+        .filter(|(d, c)| {
+            (*d <= (c.len() / 3).max(1) && *d < word.len())
+                || (c.starts_with(word) && word.len() >= 3)
+        })
+        .min_by_key(|(d, _)| *d)
+        .map(|(_, c)| c)
+}
+
+/// A flag's value parser: `check(flag, raw, example)` reads the value or says what to write.
+#[derive(Clone, Copy)]
+pub struct Checked<T>(pub fn(&str, &str, &str) -> std::result::Result<T, String>);
+
+impl<T: Clone + Send + Sync + 'static> TypedValueParser for Checked<T> {
+    type Value = T;
+
+    fn parse_ref(
+        &self,
+        _cmd: &Command,
+        arg: Option<&Arg>,
+        value: &OsStr,
+    ) -> std::result::Result<T, clap::Error> {
+        let name = arg.and_then(Arg::get_long).unwrap_or_default();
+        let raw = value.to_string_lossy();
+        let checked = match (raw.starts_with("--"), arg) {
+            (true, Some(arg)) => Err(needs_value(arg)),
+            _ => (self.0)(&spelled(name), &raw, example(name)),
+        };
+        checked.map_err(|message| {
+            let mut e = clap::Error::new(ErrorKind::ValueValidation);
+            e.insert(ContextKind::Custom, ContextValue::String(message));
+            e
+        })
+    }
+}
+
+/// Any text: a file name, an address.
+pub fn text(_: &str, raw: &str, _: &str) -> std::result::Result<String, String> {
+    Ok(raw.to_string())
+}
+
+/// A switch's value (see [`SWITCH`]).
+fn switch(flag: &str, raw: &str, _: &str) -> std::result::Result<bool, String> {
+    match raw.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" => Ok(true),
+        "0" | "false" | "no" | "off" => Ok(false),
+        _ => Err(format!(
+            "`{flag}={raw}` is not on or off; write `{flag}` alone, or `{flag}=false`"
+        )),
+    }
+}
+
+/// A whole number of at least 1.
+pub fn positive(flag: &str, raw: &str, ex: &str) -> std::result::Result<usize, String> {
+    match raw.trim().parse::<usize>() {
+        Ok(0) => Err(format!(
+            "`{flag} 0` is not allowed: it must be at least 1, e.g. `{flag} {ex}`"
+        )),
+        Ok(n) => Ok(n),
+        Err(_) => Err(format!(
+            "`{flag} {raw}` is not a whole number; write e.g. `{flag} {ex}`"
+        )),
+    }
+}
+
+/// A machine's rank, counted from 0.
+pub fn machine_rank(flag: &str, raw: &str, ex: &str) -> std::result::Result<usize, String> {
+    raw.trim().parse().map_err(|_| {
+        format!(
+            "`{flag} {raw}` is not a whole number; machine ranks count from 0, e.g. `{flag} {ex}`"
+        )
+    })
+}
+
+/// A TCP port, 1 to 65535.
+pub fn port(flag: &str, raw: &str, ex: &str) -> std::result::Result<u16, String> {
+    let n = positive(flag, raw, ex)?;
+    u16::try_from(n)
+        .map_err(|_| format!("`{flag} {n}` is not a port; use 1 to 65535, e.g. `{flag} {ex}`"))
+}
+
+/// How many times to relaunch a failed job: a whole number, 0 included (0 never relaunches).
+pub fn restarts(flag: &str, raw: &str, ex: &str) -> std::result::Result<usize, String> {
+    raw.trim().parse().map_err(|_| {
+        format!(
+            "`{flag} {raw}` is not a whole number; write how many times to relaunch a failed \
+             job, e.g. `{flag} {ex}` (0 never relaunches)"
+        )
+    })
+}
+
+/// A positive duration (`90`, `90s`, `10m`, `1h`, `500ms`).
+pub fn duration(flag: &str, raw: &str, ex: &str) -> std::result::Result<Duration, String> {
+    ivme::env::parse_duration(raw).ok_or_else(|| {
+        format!(
+            "`{flag} {raw}` is not a duration; write {}, e.g. `{flag} {ex}`",
+            ivme::env::DURATION_FORMS
+        )
+    })
+}
+
+/// A compute precision (`no`, `fp16`, `bf16`).
+pub fn precision(flag: &str, raw: &str, _: &str) -> std::result::Result<Precision, String> {
+    raw.parse().map_err(|_| {
+        format!(
+            "`{flag} {raw}` is not a precision; use one of {}",
+            Precision::VALID.join(", ")
+        )
+    })
+}
+
+/// A ZeRO sharding stage.
+pub fn sharding(flag: &str, raw: &str, _: &str) -> std::result::Result<Sharding, String> {
+    raw.parse().map_err(|_| {
+        format!(
+            "`{flag} {raw}` is not a sharding stage; use one of {}",
+            Sharding::VALID.join(", ")
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser, Debug, PartialEq)]
+    #[command(rename_all = "snake_case")]
+    struct Flags {
+        #[arg(long, value_name = "count", value_parser = Checked(positive))]
+        num_processes: Option<usize>,
+        #[arg(long, value_name = SWITCH)]
+        cpu: Option<bool>,
+        #[arg(long, value_name = "count", value_parser = Checked(restarts))]
+        max_restarts: Option<usize>,
+        #[arg(long, value_name = "duration", value_parser = Checked(duration))]
+        collective_timeout: Option<Duration>,
+        #[arg(trailing_var_arg = true)]
+        command: Vec<String>,
+    }
+
+    fn read(words: &[&str]) -> Result<Flags> {
+        let words: Vec<String> = words.iter().map(|w| w.to_string()).collect();
+        match parse::<Flags>("launch", &words)? {
+            Parsed::Args(flags) => Ok(flags),
+            Parsed::Help(text) => panic!("help for {words:?}: {text}"),
+        }
+    }
+
+    fn refused(words: &[&str]) -> String {
+        read(words).unwrap_err().to_string()
+    }
+
+    fn strings(words: &[&str]) -> Vec<String> {
+        words.iter().map(|w| w.to_string()).collect()
+    }
+
+    #[test]
+    fn dashes_underscores_and_equals_are_one_flag() {
+        for words in [
+            &["--num_processes", "2", "prog"][..],
+            &["--num-processes", "2", "prog"],
+            &["--num-processes=2", "prog"],
+        ] {
+            let f = read(words).unwrap();
+            assert_eq!(f.num_processes, Some(2), "{words:?}");
+            assert_eq!(f.command, strings(&["prog"]));
+        }
+    }
+
+    #[test]
+    fn everything_after_the_program_is_left_alone() {
+        let f = read(&["--cpu", "prog", "--cpu", "--x=1"]).unwrap();
+        assert_eq!(f.cpu, Some(true));
+        assert_eq!(f.command, strings(&["prog", "--cpu", "--x=1"]));
+        let f = read(&["--", "--weird-name"]).unwrap();
+        assert_eq!(f.command, strings(&["--weird-name"]));
+    }
+
+    #[test]
+    fn unknown_flags_suggest_the_nearest_one() {
+        let msg = refused(&["--num_proceses", "2"]);
+        assert!(msg.contains("unknown flag `--num_proceses`"), "{msg}");
+        assert!(msg.contains("did you mean `--num_processes`"), "{msg}");
+        let msg = refused(&["--num"]);
+        assert!(msg.contains("did you mean `--num_processes`"), "{msg}");
+        let msg = refused(&["--zzz"]);
+        assert!(!msg.contains("did you mean"), "{msg}");
+        assert!(msg.contains("ivme launch --help"), "{msg}");
+    }
+
+    #[test]
+    fn a_value_flag_without_a_value_says_what_to_write() {
+        let msg = refused(&["--num_processes"]);
+        assert!(msg.contains("`--num_processes 2`"), "{msg}");
+        let msg = refused(&["--num_processes", "--cpu"]);
+        assert!(msg.contains("needs a count"), "{msg}");
+        let msg = refused(&["--collective_timeout"]);
+        assert!(
+            msg.contains("needs a duration, e.g. `--collective_timeout 10m`"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn repeated_flags_are_rejected() {
+        let msg = refused(&["--cpu", "--cpu"]);
+        assert!(msg.contains("given twice"), "{msg}");
+    }
+
+    #[test]
+    fn switches_and_numbers_are_read() {
+        assert_eq!(read(&["--cpu=no", "prog"]).unwrap().cpu, Some(false));
+        assert_eq!(read(&["prog"]).unwrap().cpu, None);
+        let msg = refused(&["--num_processes", "0"]);
+        assert!(msg.contains("at least 1"), "{msg}");
+        let msg = refused(&["--num_processes", "two"]);
+        assert!(msg.contains("not a whole number"), "{msg}");
+        let msg = refused(&["--cpu=maybe"]);
+        assert!(msg.contains("is not on or off"), "{msg}");
+    }
+
+    #[test]
+    fn bad_fault_settings_say_what_to_write() {
+        let msg = refused(&["--collective-timeout", "0"]);
+        assert!(
+            msg.contains("`--collective_timeout 0` is not a duration")
+                && msg.contains("90, 90s, 10m, 1h, 500ms"),
+            "{msg}"
+        );
+        let msg = refused(&["--max-restarts", "-1"]);
+        assert!(
+            msg.contains("`--max_restarts -1` is not a whole number"),
+            "{msg}"
+        );
+        assert_eq!(read(&["--max_restarts=0"]).unwrap().max_restarts, Some(0));
+        assert_eq!(read(&[]).unwrap().max_restarts, None);
+    }
+}
