@@ -66,13 +66,17 @@ impl NcclComm {
             )));
         }
         let (rank, world) = (control.rank(), control.world_size());
-        let nccl = nccl::Comm::from_rank(
-            device.cuda_stream(),
-            rank,
-            world,
-            nccl::Id::uninit(internal),
-        )
-        .map_err(|e| nccl_error("ncclCommInitRank", e))?;
+        // Under the watch: a rank that died or stalled since the id's broadcast ends the
+        // others' wait at the deadline, instead of leaving them in NCCL's blocking init.
+        let nccl = control.collective(Op::new(OpKind::NcclInit, 0), || {
+            nccl::Comm::from_rank(
+                device.cuda_stream(),
+                rank,
+                world,
+                nccl::Id::uninit(internal),
+            )
+            .map_err(|e| nccl_error("ncclCommInitRank", e))
+        })?;
         Ok(NcclComm {
             control,
             nccl,

@@ -51,6 +51,9 @@ pub(crate) enum OpKind {
     ReduceScatter = 8,
     /// `all_gather_into`.
     AllGatherInto = 9,
+    /// Joining the NCCL world (`ncclCommInitRank`), itself a collective over every rank.
+    #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+    NcclInit = 10,
 }
 
 impl OpKind {
@@ -65,6 +68,7 @@ impl OpKind {
             7 => OpKind::Barrier,
             8 => OpKind::ReduceScatter,
             9 => OpKind::AllGatherInto,
+            10 => OpKind::NcclInit,
             _ => return None,
         })
     }
@@ -80,6 +84,7 @@ impl OpKind {
             OpKind::Barrier => "barrier (wait_for_everyone)",
             OpKind::ReduceScatter => "reduce_scatter",
             OpKind::AllGatherInto => "all_gather_into",
+            OpKind::NcclInit => "joining NCCL (ncclCommInitRank)",
         }
     }
 }
@@ -114,7 +119,7 @@ impl fmt::Display for Op {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}", self.kind.name())?;
         match self.kind {
-            OpKind::Barrier => Ok(()),
+            OpKind::Barrier | OpKind::NcclInit => Ok(()),
             OpKind::Broadcast | OpKind::BroadcastBytes => {
                 write!(f, " from rank {}", self.root)?;
                 if self.count > 0 {
