@@ -168,17 +168,16 @@ fn refusal(command: &str, cmd: &Command, e: &clap::Error) -> Error {
                 None => format!("`{flag}` needs a value"),
             }
         }
-        // Anything else in clap's own words, without its `error: ` and usage lines.
-        _ => {
-            let text = e.render().to_string();
-            let first = text.lines().next().unwrap_or_default();
-            format!(
-                "{}; run `ivme {command} --help`",
-                first.trim_start_matches("error: ")
-            )
-        }
+        _ => format!("{}; run `ivme {command} --help`", in_clap_words(e)),
     };
     Error::Usage(message)
+}
+
+/// Anything else in clap's own words, without its `error: ` and usage lines.
+pub fn in_clap_words(e: &clap::Error) -> String {
+    let text = e.render().to_string();
+    let first = text.lines().next().unwrap_or_default();
+    first.trim_start_matches("error: ").to_string()
 }
 
 /// The candidate nearest to `word` when it is close enough to be a likely typo.

@@ -19,9 +19,6 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-/// The subcommand's name.
-pub use crate::flags::COMMAND;
-
 /// Removes the status folder however the launch ends.
 struct StatusDir(PathBuf);
 

@@ -1,7 +1,8 @@
 //! The `ivme` command: start training programs on one or many processes.
 //!
-//! Each subcommand lives in its own module with a `main(&[String]) -> Result<i32>`; this file
-//! only picks one and turns its result into an exit status.
+//! Each subcommand lives in its own module with a `main(&[String]) -> Result<i32>` that reads
+//! its flags (cli.rs); this file only picks one, on clap, and turns its result into an exit
+//! status.
 
 mod cli;
 mod config_cmd;
@@ -25,78 +26,117 @@ mod settings;
 mod sources;
 mod tuning;
 
+use clap::error::{ContextKind, ContextValue, ErrorKind};
+use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 use ivme::{Error, Result};
 use std::process::ExitCode;
 
-/// The visible subcommands with one line each, for `ivme --help`.
-const COMMANDS: &[(&str, &str)] = &[
-    (
-        launch::COMMAND,
-        "start a program on one or more processes (through mpirun for more than one)",
-    ),
-    (
-        config_cmd::COMMAND,
-        "answer a few questions once so that `ivme launch PROGRAM` needs no flags",
-    ),
-    (
-        env_cmd::COMMAND,
-        "print versions, hardware and config for a bug report",
-    ),
-    (
-        selftest::COMMAND,
-        "check that training works end to end on the configured processes",
-    ),
-    (
-        expand::COMMAND,
-        "print what #[accelerate] writes for a source file's functions, without compiling",
-    ),
-    (
-        merge_cmd::COMMAND,
-        "write a training checkpoint's weights (any layout) as a Hugging Face model folder",
-    ),
-];
+/// Accelerate-style distributed training for candle.
+#[derive(Parser)]
+#[command(
+    name = "ivme",
+    version,
+    disable_help_subcommand = true,
+    arg_required_else_help = true,
+    after_help = "Run `ivme <COMMAND> --help` for a command's flags."
+)]
+struct Ivme {
+    #[command(subcommand)]
+    command: Commands,
+}
 
-fn usage() -> String {
-    let width = COMMANDS.iter().map(|(n, _)| n.len()).max().unwrap_or(0);
-    let list: String = COMMANDS
-        .iter()
-        .map(|(n, h)| format!("  {n:width$}  {h}\n"))
-        .collect();
-    format!(
-        "ivme {}: Accelerate-style distributed training for candle\n\n\
-         Usage: ivme <COMMAND> [ARGS...]\n\nCommands:\n{list}\n\
-         Run `ivme <COMMAND> --help` for a command's flags.\n",
-        env!("CARGO_PKG_VERSION")
-    )
+/// The subcommands; each reads its own words (cli.rs).
+#[derive(Subcommand)]
+enum Commands {
+    /// start a program on one or more processes (through mpirun for more than one)
+    #[command(name = flags::COMMAND)]
+    Launch(Words),
+    /// answer a few questions once so that `ivme launch PROGRAM` needs no flags
+    #[command(name = config_cmd::COMMAND)]
+    Config(Words),
+    /// print versions, hardware and config for a bug report
+    #[command(name = env_cmd::COMMAND)]
+    Env(Words),
+    /// check that training works end to end on the configured processes
+    #[command(name = selftest::COMMAND)]
+    Test(Words),
+    /// print what #[accelerate] writes for a source file's functions, without compiling
+    #[command(name = expand::COMMAND)]
+    Expand(Words),
+    /// write a training checkpoint's weights (any layout) as a Hugging Face model folder
+    #[command(name = merge_cmd::COMMAND)]
+    MergeWeights(Words),
+    /// The launcher's wrapper around each rank.
+    #[command(name = rank::COMMAND, hide = true)]
+    Rank(Words),
+    /// What every rank of `ivme test` runs.
+    #[command(name = selftest::RANK_COMMAND, hide = true)]
+    SelftestRank(Words),
+}
+
+/// The words after a subcommand's name, untouched.
+#[derive(Args)]
+#[command(disable_help_flag = true)]
+struct Words {
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+    words: Vec<String>,
 }
 
 fn run(argv: &[String]) -> Result<i32> {
-    let Some((command, rest)) = argv.split_first() else {
-        eprint!("{}", usage());
-        return Ok(2);
+    // `ivme help launch` is `ivme launch --help`.
+    let argv: Vec<String> = match argv.split_first() {
+        Some((help, rest)) if help == "help" => {
+            rest.iter().cloned().chain(["--help".into()]).collect()
+        }
+        _ => argv.to_vec(),
     };
-    match command.as_str() {
-        launch::COMMAND => launch::main(rest),
-        rank::COMMAND => rank::main(rest),
-        config_cmd::COMMAND => config_cmd::main(rest),
-        env_cmd::COMMAND => env_cmd::main(rest),
-        expand::COMMAND => expand::main(rest),
-        merge_cmd::COMMAND => merge_cmd::main(rest),
-        selftest::COMMAND => selftest::main(rest),
-        selftest::RANK_COMMAND => selftest::rank_main(rest),
-        "-h" | "--help" | "help" => {
-            print!("{}", usage());
+    let top = std::iter::once("ivme".to_string()).chain(argv);
+    let parsed = Ivme::command()
+        .try_get_matches_from(top)
+        .and_then(|m| Ivme::from_arg_matches(&m));
+    let command = match parsed {
+        Ok(ivme) => ivme.command,
+        Err(e) => return refusal(&e),
+    };
+    match command {
+        Commands::Launch(w) => launch::main(&w.words),
+        Commands::Config(w) => config_cmd::main(&w.words),
+        Commands::Env(w) => env_cmd::main(&w.words),
+        Commands::Test(w) => selftest::main(&w.words),
+        Commands::Expand(w) => expand::main(&w.words),
+        Commands::MergeWeights(w) => merge_cmd::main(&w.words),
+        Commands::Rank(w) => rank::main(&w.words),
+        Commands::SelftestRank(w) => selftest::rank_main(&w.words),
+    }
+}
+
+/// Help and the version as asked, the usage on stderr for no command, ivme's words otherwise.
+fn refusal(e: &clap::Error) -> Result<i32> {
+    match e.kind() {
+        ErrorKind::DisplayHelp | ErrorKind::DisplayVersion => {
+            print!("{}", e.render());
             Ok(0)
         }
-        "-V" | "--version" => {
-            println!("ivme {}", env!("CARGO_PKG_VERSION"));
-            Ok(0)
+        ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
+            eprint!("{}", e.render());
+            Ok(2)
         }
-        other => {
-            let hint = cli::closest(other, COMMANDS.iter().map(|(n, _)| *n))
+        _ => {
+            let Some(ContextValue::String(other)) = e.get(ContextKind::InvalidSubcommand) else {
+                return Err(Error::Usage(format!(
+                    "{}; run `ivme --help`",
+                    cli::in_clap_words(e)
+                )));
+            };
+            let cmd = Ivme::command();
+            let names: Vec<&str> = cmd
+                .get_subcommands()
+                .filter(|c| !c.is_hide_set())
+                .map(|c| c.get_name())
+                .collect();
+            let hint = cli::closest(other, names.iter().copied())
                 .map(|c| format!("did you mean `ivme {c}`? "))
                 .unwrap_or_default();
-            let names: Vec<&str> = COMMANDS.iter().map(|(n, _)| *n).collect();
             Err(Error::Usage(format!(
                 "unknown command `{other}`; {hint}the commands are: {}; run `ivme --help`",
                 names.join(", ")
