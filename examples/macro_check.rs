@@ -4,6 +4,7 @@
 //!
 //! `macro_check mode=macro|macro_enumerate|macro_zero2|hand accum=1|2 steps=K out=DIR` trains the harness's MLP on
 //! consecutive batches of 4 samples and writes this rank's final weights to `DIR/rank{R}.json`.
+//! `mode=seeded` writes the MLP's initial weights under `#[accelerate(seed = 5)]` instead.
 
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{linear, Linear, Optimizer, VarBuilder, VarMap};
@@ -199,6 +200,15 @@ fn train_hand(batches: Vec<(Tensor, Tensor)>, accum: usize, out: &str) -> ivme::
     Ok(write(out, rank, &weights(&varmap)?)?)
 }
 
+/// The MLP as the attribute's `seed` initialises it, untrained.
+#[ivme::accelerate(seed = 5)]
+fn initial_macro(out: &str) -> candle_core::Result<()> {
+    let device = Device::Cpu;
+    let varmap = VarMap::new();
+    let _model = Mlp::new(VarBuilder::from_varmap(&varmap, DType::F32, &device))?;
+    write(out, accelerator.process_index(), &weights(&varmap)?)
+}
+
 fn main() -> ivme::Result<()> {
     let args: BTreeMap<String, String> = std::env::args()
         .skip(1)
@@ -214,6 +224,7 @@ fn main() -> ivme::Result<()> {
     let data = batches(steps)?;
     match (get("mode", "macro").as_str(), accum) {
         ("hand", _) => train_hand(data, accum, &out),
+        ("seeded", _) => Ok(initial_macro(&out)?),
         ("macro_enumerate", _) => Ok(train_macro_enumerate(data, &out)?),
         ("macro_zero2", _) => Ok(train_macro_zero2(data, &out)?),
         (_, 1) => Ok(train_macro(data, &out)?),

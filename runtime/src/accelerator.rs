@@ -174,7 +174,8 @@ impl Accelerator {
 
     /// Reseeds ivme's generator (the one [`rng`](Self::rng) returns) from `seed`: the same
     /// stream on every rank, or with `rank_specific` a different one per rank (what dropout on
-    /// different data wants). Loaders shuffle from their own `seed`, identical on every rank.
+    /// different data wants). Loaders shuffle from their own `seed`, identical on every rank,
+    /// and [`var_builder`](Self::var_builder) initialises from the builder's seed.
     pub fn set_seed(&self, seed: u64, rank_specific: bool) {
         let stream = if rank_specific {
             self.state.rank as u64

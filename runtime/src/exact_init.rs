@@ -1,13 +1,17 @@
-//! Variables created for a low-precision model with exact f32 initial values: the f32 master
-//! weights start from the initialisation itself, and the model's bf16/fp16 copy is rounded
-//! from them (rather than the masters being widened from already-rounded values).
+//! The variables [`Accelerator::var_builder`] creates: drawn from ivme's seeded generator, and
+//! under low precision with exact f32 initial values for the masters.
 //!
-//! [`Accelerator::var_builder`] hands the model a `VarBuilder` whose backend draws each new
-//! variable in f32, keeps that f32 tensor for the master, and puts its low-precision rounding
-//! into the user's `VarMap`; [`Accelerator::prepare`](crate::Accelerator::prepare) then takes
-//! the kept f32 values as the masters.
+//! Each new variable's initial value is drawn in f32 from a generator keyed by the builder's
+//! seed and the variable's name ([`Rng::for_variable`]), as candle's `Init` hint describes it:
+//! the same model starts from the same weights in every run with that seed, on every rank, on
+//! the CPU (whose candle generator cannot be seeded) and on a GPU alike.
+//!
+//! Under bf16/fp16 the f32 draw is kept for the master weight and the variable in the user's
+//! `VarMap` is its rounding; [`Accelerator::prepare`](crate::Accelerator::prepare) then takes
+//! the kept f32 values as the masters (rather than widening already-rounded values).
 
 use crate::accelerator::Accelerator;
+use crate::rng::Rng;
 use crate::stateful::Shared;
 use candle_core::{DType, Device, Result, Shape, Tensor, TensorId, Var};
 use candle_nn::var_builder::SimpleBackend;
@@ -17,29 +21,37 @@ use std::collections::HashMap;
 /// The exact f32 initial value of each low-precision variable, by the variable's tensor id.
 pub(crate) type ExactMasters = Shared<HashMap<TensorId, Tensor>>;
 
-/// A `VarMap` backend that initialises in f32 and stores the low-precision rounding.
-struct ExactInit {
+/// A `VarMap` backend that draws new variables from the seed, in f32, and keeps the f32 value
+/// of those it rounds to the model's low precision.
+struct SeededInit {
     varmap: VarMap,
+    seed: u64,
     masters: ExactMasters,
-    low: DType,
+    /// The mixed-precision compute dtype, whose variables keep their f32 draw for the master.
+    low: Option<DType>,
 }
 
-impl SimpleBackend for ExactInit {
+impl SimpleBackend for SeededInit {
     fn get(&self, s: Shape, name: &str, h: Init, dtype: DType, dev: &Device) -> Result<Tensor> {
-        // Another dtype than the model's, or a name the map already has: the VarMap's own rules.
+        // A name the map already has, or an integer dtype: the VarMap's own rules.
         let known = self.varmap.data().lock().unwrap().contains_key(name);
-        if dtype != self.low || known {
+        if known || !dtype.is_float() {
             return self.varmap.get(s, name, h, dtype, dev);
         }
-        let exact = h.var(s, DType::F32, dev)?.as_tensor().detach();
-        let copy = Var::from_tensor(&exact.to_dtype(self.low)?)?;
-        self.masters.lock().insert(copy.as_tensor().id(), exact);
+        let drawn = Rng::for_variable(self.seed, name)
+            .draw_init(h, &s)
+            .map_err(candle_core::Error::wrap)?;
+        let exact = drawn.to_device(dev)?;
+        let var = Var::from_tensor(&exact.to_dtype(dtype)?)?;
+        if self.low == Some(dtype) {
+            self.masters.lock().insert(var.as_tensor().id(), exact);
+        }
         self.varmap
             .data()
             .lock()
             .unwrap()
-            .insert(name.to_string(), copy.clone());
-        Ok(copy.as_tensor().clone())
+            .insert(name.to_string(), var.clone());
+        Ok(var.as_tensor().clone())
     }
 
     fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> Result<Tensor> {
@@ -56,11 +68,19 @@ impl Accelerator {
     /// in the compute dtype for a request of f32 under mixed precision (see
     /// [`param_dtype`](Self::param_dtype)), the request otherwise.
     ///
+    /// Each new variable is drawn from ivme's generator, keyed by the builder's
+    /// [`seed`](crate::AcceleratorBuilder::seed) (0 unless set) and the variable's name, as
+    /// candle's initialisation hint for it says (the Kaiming normal of `linear`, the zeros of a
+    /// bias...): with the same seed the model starts from the same weights in every run, on
+    /// every rank and on the CPU or a GPU alike. candle's own CPU initialisers cannot be
+    /// seeded, so `VarBuilder::from_varmap` gives different weights in every run.
+    ///
     /// Under bf16/fp16 each variable is initialised in f32 and its f32 value becomes the master
     /// weight when the model is prepared, so the masters start from the exact initialisation
     /// and only the model's copy is rounded. `VarBuilder::from_varmap(&varmap,
     /// accelerator.param_dtype(DType::F32), ..)` also works, with masters widened from the
-    /// rounded values. `#[accelerate]` writes this call for `VarBuilder::from_varmap(..)`.
+    /// rounded values (and unseeded weights). `#[accelerate]` writes this call for
+    /// `VarBuilder::from_varmap(..)`.
     ///
     /// ```no_run
     /// # fn main() -> ivme::Result<()> {
@@ -71,13 +91,12 @@ impl Accelerator {
     /// ```
     pub fn var_builder(&self, varmap: &VarMap, requested: DType) -> VarBuilder<'static> {
         let dtype = self.param_dtype(requested);
-        if dtype == DType::F32 || dtype != self.mixed.policy().compute_dtype() {
-            return VarBuilder::from_varmap(varmap, dtype, self.device());
-        }
-        let backend = ExactInit {
+        let low = self.mixed.policy().compute_dtype();
+        let backend = SeededInit {
             varmap: varmap.clone(),
+            seed: self.seed(),
             masters: self.mixed.exact_masters().clone(),
-            low: dtype,
+            low: (low != DType::F32).then_some(low),
         };
         VarBuilder::from_backend(Box::new(backend), dtype, self.device().clone())
     }
@@ -190,6 +209,65 @@ mod tests {
         });
         assert_eq!(values(&master), values(&loaded));
         assert_eq!(values(&compute), values(&loaded));
+    }
+
+    /// A `linear(fan_in, out)` layer built through `var_builder` with `seed`, and its VarMap.
+    fn seeded_linear(seed: u64, fan_in: usize, out: usize) -> (Vec<f32>, Vec<f32>) {
+        let acc = Accelerator::builder().cpu(true).seed(seed).build().unwrap();
+        let varmap = VarMap::new();
+        let layer = candle_nn::linear(fan_in, out, acc.var_builder(&varmap, DType::F32)).unwrap();
+        (values(layer.weight()), values(layer.bias().unwrap()))
+    }
+
+    fn mean_and_std(v: &[f32]) -> (f32, f32) {
+        let mean = v.iter().sum::<f32>() / v.len() as f32;
+        let var = v.iter().map(|x| (x - mean).powi(2)).sum::<f32>() / v.len() as f32;
+        (mean, var.sqrt())
+    }
+
+    #[test]
+    fn the_seed_decides_the_initial_weights_drawn_as_candles_hints_say() {
+        let (w, b) = seeded_linear(7, 64, 32);
+        assert_eq!(
+            seeded_linear(7, 64, 32),
+            (w.clone(), b.clone()),
+            "same seed"
+        );
+        let (w8, b8) = seeded_linear(8, 64, 32);
+        assert!(w8 != w && b8 != b, "another seed draws other weights");
+        // Each variable's draw depends on its name, not on when it was made.
+        let acc = Accelerator::builder().cpu(true).seed(7).build().unwrap();
+        let varmap = VarMap::new();
+        let vb = acc.var_builder(&varmap, DType::F32);
+        let hint = Init::Randn {
+            mean: 0.0,
+            stdev: 1.0,
+        };
+        let first = vb.get_with_hints(16, "a", hint).unwrap();
+        let varmap = VarMap::new();
+        let vb = acc.var_builder(&varmap, DType::F32);
+        vb.get_with_hints(16, "b", hint).unwrap();
+        let later = vb.get_with_hints(16, "a", hint).unwrap();
+        assert_eq!(values(&first), values(&later));
+
+        // And the draws follow candle's hints: plain candle draws the same hints from its own
+        // (unseedable) generator, the reference for their distribution.
+        let (fan_in, out) = (256, 512);
+        let varmap = VarMap::new();
+        let vb = candle_nn::VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+        let plain = candle_nn::linear(fan_in, out, vb).unwrap();
+        let (w, b) = seeded_linear(3, fan_in, out);
+        let (w_mean, w_std) = mean_and_std(&w);
+        let (p_mean, p_std) = mean_and_std(&values(plain.weight()));
+        assert!((w_mean - p_mean).abs() < 0.003, "{w_mean} vs {p_mean}");
+        assert!((w_std / p_std - 1.0).abs() < 0.02, "{w_std} vs {p_std}");
+        let plain_b = values(plain.bias().unwrap());
+        let bound = |v: &[f32]| v.iter().fold(0f32, |m, x| m.max(x.abs()));
+        assert!(bound(&b) <= 1.0 / (fan_in as f32).sqrt(), "{}", bound(&b));
+        assert!((bound(&b) / bound(&plain_b) - 1.0).abs() < 0.05);
+        let (_, b_std) = mean_and_std(&b);
+        let (_, pb_std) = mean_and_std(&plain_b);
+        assert!((b_std / pb_std - 1.0).abs() < 0.15, "{b_std} vs {pb_std}");
     }
 
     #[test]

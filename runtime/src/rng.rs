@@ -3,6 +3,8 @@
 
 use crate::error::{Error, Result};
 use candle_core::{Device, Shape, Tensor};
+use candle_nn::init::NormalOrUniform;
+use candle_nn::Init;
 use rand::{Rng as _, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -108,6 +110,42 @@ impl Rng {
             .map(|_| lo + (hi - lo) * self.next_f32())
             .collect();
         Ok(Tensor::from_vec(v, shape, device)?)
+    }
+
+    /// A generator for the initial value of the variable `name`: the same on every rank and in
+    /// every run with this `seed`, whatever order the model creates its variables in.
+    pub fn for_variable(seed: u64, name: &str) -> Self {
+        // FNV-1a over the name, then a tag that keeps these streams apart from the ranks'.
+        let hash = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+        });
+        Rng::new(mix(mix(seed, 0x1417_1417), hash))
+    }
+
+    /// An f32 tensor on the CPU drawn as candle's `init` describes it (constant, normal,
+    /// uniform or Kaiming, with candle's fan and gain), from this generator.
+    pub fn draw_init(&mut self, init: Init, shape: &Shape) -> Result<Tensor> {
+        let cpu = &Device::Cpu;
+        match init {
+            Init::Const(v) => Ok(Tensor::full(v as f32, shape, cpu)?),
+            Init::Randn { mean, stdev } => self.randn(mean as f32, stdev as f32, shape, cpu),
+            Init::Uniform { lo, up } if lo == up => Ok(Tensor::full(lo as f32, shape, cpu)?),
+            Init::Uniform { lo, up } => self.rand(lo as f32, up as f32, shape, cpu),
+            Init::Kaiming {
+                dist,
+                fan,
+                non_linearity,
+            } => {
+                let std = non_linearity.gain() / (fan.for_shape(shape) as f64).sqrt();
+                match dist {
+                    NormalOrUniform::Normal => self.randn(0.0, std as f32, shape, cpu),
+                    NormalOrUniform::Uniform => {
+                        let bound = (3f64.sqrt() * std) as f32;
+                        self.rand(-bound, bound, shape, cpu)
+                    }
+                }
+            }
+        }
     }
 
     /// Inverted dropout: zeroes each element with probability `p` and scales the rest by
