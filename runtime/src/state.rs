@@ -88,7 +88,7 @@ impl EnvLayout {
 }
 
 /// Picks the device for a local rank: that rank's CUDA device when the build has CUDA and one is
-/// present, else the Metal device when the build has Metal and one is present (unless `cpu`
+/// present (`cuda:(local_rank mod GPUs)`, so more ranks than GPUs share them), else the Metal device when the build has Metal and one is present (unless `cpu`
 /// forces the CPU), otherwise the CPU.
 pub fn select_device(local_rank: usize, cpu: bool) -> Result<Device> {
     if cpu {
@@ -97,10 +97,21 @@ pub fn select_device(local_rank: usize, cpu: bool) -> Result<Device> {
     #[cfg(feature = "cuda")]
     {
         if candle_core::utils::cuda_is_available() {
-            return Device::new_cuda(local_rank).map_err(|e| {
+            // More local ranks than GPUs share them round-robin (the communicator then avoids
+            // NCCL, which refuses two ranks on one GPU).
+            let count = candle_core::cuda::cudarc::driver::CudaContext::device_count()
+                .map_or(1, |n| n.max(1) as usize);
+            let ordinal = local_rank % count;
+            if local_rank == count {
+                tracing::warn!(
+                    "more processes on this machine than its {count} GPU(s): local rank \
+                     {local_rank} and later share them (local rank r uses cuda:(r mod {count}))"
+                );
+            }
+            return Device::new_cuda(ordinal).map_err(|e| {
                 Error::Setup(format!(
-                    "cannot open CUDA device {local_rank} for local rank {local_rank}: {e}; \
-                     run fewer processes per machine than GPUs, or pass `cpu = true`"
+                    "cannot open CUDA device {ordinal} for local rank {local_rank}: {e}; pass \
+                     `cpu = true` to train on the CPU"
                 ))
             });
         }

@@ -314,7 +314,7 @@ pub fn open(
     }
     #[cfg(feature = "nccl")]
     if let candle_core::Device::Cuda(cuda) = device {
-        return Ok(Box::new(NcclComm::init(cuda, options)?));
+        return NcclComm::open(cuda, options);
     }
     let _ = device;
     #[cfg(feature = "mpi")]

@@ -45,10 +45,35 @@ fn nccl_error(what: &str, e: impl std::fmt::Debug) -> Error {
 }
 
 impl NcclComm {
-    /// Starts MPI, shares rank 0's NCCL id through it and joins the NCCL world on `device`'s
-    /// stream.
-    pub fn init(device: &CudaDevice, options: &CommOptions) -> Result<Self> {
+    /// Starts MPI and, unless ranks share a GPU, joins the NCCL world on `device`'s stream
+    /// (rank 0's NCCL id shared over MPI).
+    ///
+    /// NCCL refuses two ranks on one GPU, so when more ranks than GPUs run on a machine (they
+    /// share them round-robin, `state::select_device`) the job stays on MPI, which stages GPU
+    /// tensors through host memory: slower, but it runs, and rank 0 says so.
+    pub fn open(device: &CudaDevice, options: &CommOptions) -> Result<Box<dyn Communicator>> {
         let control = MpiComm::init(options)?;
+        let mine = format!(
+            "{}/{}",
+            crate::checkpoint::lock::host_name(),
+            device.cuda_stream().context().ordinal()
+        );
+        let mut places = control.all_gather_bytes(mine.as_bytes())?;
+        places.sort();
+        if places.windows(2).any(|w| w[0] == w[1]) {
+            if control.rank() == 0 {
+                tracing::warn!(
+                    "ranks share a GPU (more processes than GPUs on a machine): their \
+                     collectives go over MPI through host memory instead of NCCL"
+                );
+            }
+            return Ok(Box::new(control));
+        }
+        Ok(Box::new(NcclComm::join(control, device)?))
+    }
+
+    /// Shares rank 0's NCCL id over `control` and joins the NCCL world on `device`'s stream.
+    fn join(control: MpiComm, device: &CudaDevice) -> Result<Self> {
         let id = if control.rank() == 0 {
             let id = nccl::Id::new().map_err(|e| nccl_error("ncclGetUniqueId", e))?;
             id.internal().iter().map(|&c| c as u8).collect()
