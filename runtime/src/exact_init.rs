@@ -2,7 +2,7 @@
 //! under low precision with exact f32 initial values for the masters.
 //!
 //! Each new variable's initial value is drawn in f32 from a generator keyed by the builder's
-//! seed and the variable's name ([`Rng::for_variable`]), as candle's `Init` hint describes it:
+//! seed and the variable's name ([`draw_init`]), as candle's `Init` hint describes it:
 //! the same model starts from the same weights in every run with that seed, on every rank, on
 //! the CPU (whose candle generator cannot be seeded) and on a GPU alike.
 //!
@@ -11,7 +11,7 @@
 //! the kept f32 values as the masters (rather than widening already-rounded values).
 
 use crate::accelerator::Accelerator;
-use crate::rng::Rng;
+use crate::rng::draw_init;
 use crate::stateful::Shared;
 use candle_core::{DType, Device, Result, Shape, Tensor, TensorId, Var};
 use candle_nn::var_builder::SimpleBackend;
@@ -38,9 +38,7 @@ impl SimpleBackend for SeededInit {
         if known || !dtype.is_float() {
             return self.varmap.get(s, name, h, dtype, dev);
         }
-        let drawn = Rng::for_variable(self.seed, name)
-            .draw_init(h, &s)
-            .map_err(candle_core::Error::wrap)?;
+        let drawn = draw_init(self.seed, name, h, &s).map_err(candle_core::Error::wrap)?;
         let exact = drawn.to_device(dev)?;
         let var = Var::from_tensor(&exact.to_dtype(dtype)?)?;
         if self.low == Some(dtype) {

@@ -7,6 +7,7 @@ use candle_nn::init::NormalOrUniform;
 use candle_nn::Init;
 use rand::{Rng as _, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+use rayon::prelude::*;
 
 /// A ChaCha8 generator whose exact position can be saved and restored.
 #[derive(Debug, Clone)]
@@ -77,18 +78,8 @@ impl Rng {
         device: &Device,
     ) -> Result<Tensor> {
         let shape = shape.into();
-        let n = shape.elem_count();
-        let mut out = Vec::with_capacity(n + 1);
-        while out.len() < n {
-            // 1 - u keeps the logarithm finite.
-            let u1 = 1.0 - self.next_f32();
-            let u2 = self.next_f32();
-            let r = (-2.0 * u1.ln()).sqrt();
-            let t = 2.0 * std::f32::consts::PI * u2;
-            out.push(mean + std * r * t.cos());
-            out.push(mean + std * r * t.sin());
-        }
-        out.truncate(n);
+        let mut out = vec![0f32; shape.elem_count()];
+        self.fill_normal(&mut out, mean, std);
         Ok(Tensor::from_vec(out, shape, device)?)
     }
 
@@ -106,45 +97,30 @@ impl Rng {
             )));
         }
         let shape = shape.into();
-        let v: Vec<f32> = (0..shape.elem_count())
-            .map(|_| lo + (hi - lo) * self.next_f32())
-            .collect();
-        Ok(Tensor::from_vec(v, shape, device)?)
+        let mut out = vec![0f32; shape.elem_count()];
+        self.fill_uniform(&mut out, lo, hi);
+        Ok(Tensor::from_vec(out, shape, device)?)
     }
 
-    /// A generator for the initial value of the variable `name`: the same on every rank and in
-    /// every run with this `seed`, whatever order the model creates its variables in.
-    pub fn for_variable(seed: u64, name: &str) -> Self {
-        // FNV-1a over the name, then a tag that keeps these streams apart from the ranks'.
-        let hash = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-            (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
-        });
-        Rng::new(mix(mix(seed, 0x1417_1417), hash))
-    }
-
-    /// An f32 tensor on the CPU drawn as candle's `init` describes it (constant, normal,
-    /// uniform or Kaiming, with candle's fan and gain), from this generator.
-    pub fn draw_init(&mut self, init: Init, shape: &Shape) -> Result<Tensor> {
-        let cpu = &Device::Cpu;
-        match init {
-            Init::Const(v) => Ok(Tensor::full(v as f32, shape, cpu)?),
-            Init::Randn { mean, stdev } => self.randn(mean as f32, stdev as f32, shape, cpu),
-            Init::Uniform { lo, up } if lo == up => Ok(Tensor::full(lo as f32, shape, cpu)?),
-            Init::Uniform { lo, up } => self.rand(lo as f32, up as f32, shape, cpu),
-            Init::Kaiming {
-                dist,
-                fan,
-                non_linearity,
-            } => {
-                let std = non_linearity.gain() / (fan.for_shape(shape) as f64).sqrt();
-                match dist {
-                    NormalOrUniform::Normal => self.randn(0.0, std as f32, shape, cpu),
-                    NormalOrUniform::Uniform => {
-                        let bound = (3f64.sqrt() * std) as f32;
-                        self.rand(-bound, bound, shape, cpu)
-                    }
-                }
+    /// Fills `out` with normal samples (Box–Muller, a pair per two values) of `mean` and `std`.
+    fn fill_normal(&mut self, out: &mut [f32], mean: f32, std: f32) {
+        for pair in out.chunks_mut(2) {
+            // 1 - u keeps the logarithm finite.
+            let u1 = 1.0 - self.next_f32();
+            let u2 = self.next_f32();
+            let r = (-2.0 * u1.ln()).sqrt();
+            let t = 2.0 * std::f32::consts::PI * u2;
+            pair[0] = mean + std * r * t.cos();
+            if let Some(second) = pair.get_mut(1) {
+                *second = mean + std * r * t.sin();
             }
+        }
+    }
+
+    /// Fills `out` with uniform samples in `[lo, hi)`.
+    fn fill_uniform(&mut self, out: &mut [f32], lo: f32, hi: f32) {
+        for x in out {
+            *x = lo + (hi - lo) * self.next_f32();
         }
     }
 
@@ -171,6 +147,56 @@ impl Rng {
             .to_device(xs.device())?;
         Ok(xs.mul(&mask)?)
     }
+}
+
+/// How many values of a variable's initial value one generator draws: the chunks are drawn in
+/// parallel, each from its own stream, so the values do not depend on the number of threads.
+const INIT_CHUNK: usize = 1 << 16;
+
+/// The initial value of the variable `name`, in f32 on the CPU, drawn as candle's `init` hint
+/// describes it (constant, normal, uniform, or Kaiming with candle's fan and gain): the same
+/// on every rank and in every run with this `seed`, whatever order the variables are made in.
+pub fn draw_init(seed: u64, name: &str, init: Init, shape: &Shape) -> Result<Tensor> {
+    let (normal, a, b) = match init {
+        Init::Const(v) => return Ok(Tensor::full(v as f32, shape, &Device::Cpu)?),
+        Init::Uniform { lo, up } if lo == up => {
+            return Ok(Tensor::full(lo as f32, shape, &Device::Cpu)?)
+        }
+        Init::Randn { mean, stdev } => (true, mean, stdev),
+        Init::Uniform { lo, up } => (false, lo, up),
+        Init::Kaiming {
+            dist,
+            fan,
+            non_linearity,
+        } => {
+            let std = non_linearity.gain() / (fan.for_shape(shape) as f64).sqrt();
+            match dist {
+                NormalOrUniform::Normal => (true, 0.0, std),
+                NormalOrUniform::Uniform => (false, -(3f64.sqrt() * std), 3f64.sqrt() * std),
+            }
+        }
+    };
+    if !normal && b.partial_cmp(&a) != Some(std::cmp::Ordering::Greater) {
+        return Err(Error::Usage(format!(
+            "the initialisation of `{name}` is uniform over the empty range [{a}, {b})"
+        )));
+    }
+    // FNV-1a over the name, and a tag that keeps these streams apart from the ranks'.
+    let hash = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, byte| {
+        (h ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3)
+    });
+    let base = mix(mix(seed, 0x1417_1417), hash);
+    let mut out = vec![0f32; shape.elem_count()];
+    out.par_chunks_mut(INIT_CHUNK)
+        .enumerate()
+        .for_each(|(i, chunk)| {
+            let mut rng = Rng::new(mix(base, i as u64));
+            match normal {
+                true => rng.fill_normal(chunk, a as f32, b as f32),
+                false => rng.fill_uniform(chunk, a as f32, b as f32),
+            }
+        });
+    Ok(Tensor::from_vec(out, shape, &Device::Cpu)?)
 }
 
 #[cfg(test)]
@@ -208,6 +234,38 @@ mod tests {
         let kept = y.iter().filter(|v| **v > 0.0).count() as f32 / y.len() as f32;
         assert!((kept - 0.75).abs() < 0.02, "{kept}");
         assert!(y.iter().all(|v| *v == 0.0 || (*v - 4.0 / 3.0).abs() < 1e-6));
+        Ok(())
+    }
+
+    #[test]
+    fn initial_values_follow_the_hint_whatever_the_threads() -> Result<()> {
+        let shape = Shape::from((3, INIT_CHUNK + 1));
+        let hint = Init::Randn {
+            mean: 1.0,
+            stdev: 2.0,
+        };
+        let on = |threads: usize, name: &str| -> Vec<f32> {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            let t = pool.install(|| draw_init(9, name, hint, &shape)).unwrap();
+            t.flatten_all().unwrap().to_vec1().unwrap()
+        };
+        let v = on(1, "w");
+        assert_eq!(v, on(4, "w"), "the thread count must not change the draw");
+        assert_ne!(v, on(1, "v"), "another name, another draw");
+        let mean = v.iter().sum::<f32>() / v.len() as f32;
+        let var = v.iter().map(|x| (x - mean).powi(2)).sum::<f32>() / v.len() as f32;
+        assert!(
+            (mean - 1.0).abs() < 0.02 && (var.sqrt() - 2.0).abs() < 0.02,
+            "{mean} {var}"
+        );
+        let u = draw_init(9, "u", Init::Uniform { lo: -1.0, up: 3.0 }, &shape)?;
+        let u: Vec<f32> = u.flatten_all()?.to_vec1()?;
+        assert!(u.iter().all(|x| (-1.0..3.0).contains(x)));
+        let empty = Init::Uniform { lo: 1.0, up: 0.0 };
+        assert!(draw_init(9, "e", empty, &shape).is_err());
         Ok(())
     }
 
