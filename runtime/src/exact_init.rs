@@ -209,7 +209,8 @@ mod tests {
         assert_eq!(values(&compute), values(&loaded));
     }
 
-    /// A `linear(fan_in, out)` layer built through `var_builder` with `seed`, and its VarMap.
+    /// The weight and bias of a `linear(fan_in, out)` layer built through `var_builder` with
+    /// `seed`.
     fn seeded_linear(seed: u64, fan_in: usize, out: usize) -> (Vec<f32>, Vec<f32>) {
         let acc = Accelerator::builder().cpu(true).seed(seed).build().unwrap();
         let varmap = VarMap::new();
