@@ -64,3 +64,20 @@ fn the_seed_decides_the_initial_weights_in_every_run_and_under_the_attribute() {
         w
     );
 }
+
+#[test]
+fn set_seed_also_decides_the_weights_made_afterwards_on_every_rank_alike() {
+    let layer = |acc: &Accelerator| -> Vec<f32> {
+        let varmap = VarMap::new();
+        let l = linear(4, 8, acc.var_builder(&varmap, DType::F32)).unwrap();
+        l.weight().flatten_all().unwrap().to_vec1().unwrap()
+    };
+    let seeded = layer(&Accelerator::builder().cpu(true).seed(5).build().unwrap());
+    let acc = Accelerator::builder().cpu(true).seed(1).build().unwrap();
+    assert_ne!(layer(&acc), seeded);
+    acc.set_seed(5, false);
+    assert_eq!(layer(&acc), seeded);
+    // A rank-specific generator still initialises alike on every rank: by seed and name.
+    acc.set_seed(5, true);
+    assert_eq!(layer(&acc), seeded);
+}

@@ -174,15 +174,16 @@ impl Accelerator {
 
     /// Reseeds ivme's generator (the one [`rng`](Self::rng) returns) from `seed`: the same
     /// stream on every rank, or with `rank_specific` a different one per rank (what dropout on
-    /// different data wants). Loaders shuffle from their own `seed`, identical on every rank,
-    /// and [`var_builder`](Self::var_builder) initialises from the builder's seed.
+    /// different data wants). Variables [`var_builder`](Self::var_builder) makes afterwards
+    /// are drawn from `seed` too, identical on every rank either way (the initialisation is
+    /// keyed by seed and name). Loaders shuffle from their own `seed`, identical on every rank.
     pub fn set_seed(&self, seed: u64, rank_specific: bool) {
         let stream = if rank_specific {
             self.state.rank as u64
         } else {
             u64::MAX
         };
-        *self.data.rng().lock() = Rng::new(mix(seed, stream));
+        self.data.reseed(seed, Rng::new(mix(seed, stream)));
     }
 
     /// This process's seeded generator for anything random that must resume exactly

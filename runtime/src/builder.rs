@@ -111,7 +111,7 @@ impl AcceleratorBuilder {
         self.sharding = Some(s);
         self
     }
-    /// The seed for ivme's generators: shuffling, [`Accelerator::rng`], and the initial weights
+    /// The seed for ivme's generators: [`Accelerator::rng`] and the initial weights
     /// [`Accelerator::var_builder`] draws (0 unless set).
     pub fn seed(mut self, seed: u64) -> Self {
         self.seed = Some(seed);

@@ -1,8 +1,8 @@
 //! The variables [`Accelerator::var_builder`] creates: drawn from ivme's seeded generator, and
 //! under low precision with exact f32 initial values for the masters.
 //!
-//! Each new variable's initial value is drawn in f32 from a generator keyed by the builder's
-//! seed and the variable's name ([`draw_init`]), as candle's `Init` hint describes it:
+//! Each new variable's initial value is drawn in f32 from a generator keyed by the seed (the
+//! builder's, or the last `set_seed`'s) and the variable's name ([`draw_init`]), as candle's `Init` hint describes it:
 //! the same model starts from the same weights in every run with that seed, on every rank, on
 //! the CPU (whose candle generator cannot be seeded) and on a GPU alike.
 //!
@@ -67,7 +67,8 @@ impl Accelerator {
     /// [`param_dtype`](Self::param_dtype)), the request otherwise.
     ///
     /// Each new variable is drawn from ivme's generator, keyed by the builder's
-    /// [`seed`](crate::AcceleratorBuilder::seed) (0 unless set) and the variable's name, as
+    /// [`seed`](crate::AcceleratorBuilder::seed) (0 unless set; [`set_seed`](Self::set_seed)
+    /// changes it) and the variable's name, as
     /// candle's initialisation hint for it says (the Kaiming normal of `linear`, the zeros of a
     /// bias...): with the same seed the model starts from the same weights in every run, on
     /// every rank and on the CPU or a GPU alike. candle's own CPU initialisers cannot be
@@ -92,7 +93,7 @@ impl Accelerator {
         let low = self.mixed.policy().compute_dtype();
         let backend = SeededInit {
             varmap: varmap.clone(),
-            seed: self.seed(),
+            seed: self.data.init_seed(),
             masters: self.mixed.exact_masters().clone(),
             low: (low != DType::F32).then_some(low),
         };

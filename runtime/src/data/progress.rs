@@ -6,10 +6,13 @@ use super::LoaderPosition;
 use crate::macro_support::LoopCursor;
 use crate::rng::{mix, Rng};
 use crate::stateful::Shared;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// The positions that make a resume replay exactly the data that was not yet seen.
 pub(crate) struct DataProgress {
     seed: u64,
+    /// The seed new model variables are drawn from: the builder's, or the last `set_seed`'s.
+    init_seed: AtomicU64,
     rng: Shared<Rng>,
     loaders: Vec<Shared<LoaderPosition>>,
     loop_cursor: Shared<LoopCursor>,
@@ -21,6 +24,7 @@ impl DataProgress {
     pub(crate) fn new(seed: u64, rank: usize) -> Self {
         DataProgress {
             seed,
+            init_seed: AtomicU64::new(seed),
             rng: Shared::new(Rng::new(mix(seed, rank as u64))),
             loaders: Vec::new(),
             loop_cursor: Shared::new(Default::default()),
@@ -30,6 +34,17 @@ impl DataProgress {
     /// The seed the builder was given.
     pub(crate) fn seed(&self) -> u64 {
         self.seed
+    }
+
+    /// The seed `Accelerator::var_builder` draws new variables from.
+    pub(crate) fn init_seed(&self) -> u64 {
+        self.init_seed.load(Ordering::Relaxed)
+    }
+
+    /// Reseeds the generator with `rng`, and the initialisation with `seed`.
+    pub(crate) fn reseed(&self, seed: u64, rng: Rng) {
+        self.init_seed.store(seed, Ordering::Relaxed);
+        *self.rng.lock() = rng;
     }
 
     /// This process's seeded generator.
