@@ -151,9 +151,13 @@ fn refusal(command: &str, cmd: &Command, e: &clap::Error) -> Error {
             let hint = closest(&name.replace('-', "_"), longs)
                 .map(|s| format!("did you mean `{}`? ", spelled(s)))
                 .unwrap_or_default();
+            let program = match command == crate::flags::COMMAND {
+                true => " (flags for your program go after the program's name)",
+                false => "",
+            };
             format!(
                 "unknown flag `{flag}` for `ivme {command}`; {hint}run `ivme {command} --help` \
-                 for the flags it takes (flags for your program go after the program's name)"
+                 for the flags it takes{program}"
             )
         }
         ErrorKind::UnknownArgument => {

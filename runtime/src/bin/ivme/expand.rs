@@ -6,6 +6,8 @@
 //! exactly what `cargo expand` shows for those functions, without rebuilding every dependency.
 //! Mistakes are reported as the compiler would, with the file, line and column of each.
 
+use crate::cli;
+use clap::Parser;
 use ivme::{Error, Result};
 use proc_macro2::TokenStream;
 use quote::quote;
@@ -14,11 +16,20 @@ use std::path::Path;
 /// The subcommand's name.
 pub const COMMAND: &str = "expand";
 
-const USAGE: &str = "Usage: ivme expand FILE [FUNCTION]
-
-Prints what #[accelerate] writes for each function of FILE that carries it (or only for
-FUNCTION), without compiling: the same rewriting the compiler runs. Mistakes in the attribute
-are reported with their line and column, and the command exits with status 1.";
+/// Print what #[accelerate] writes for a source file's functions, without compiling.
+#[derive(Parser, Debug)]
+#[command(
+    after_help = "The same rewriting the compiler runs. Mistakes in the attribute are \
+                        reported with their line and column, and the command exits with status 1."
+)]
+struct Flags {
+    /// the source file
+    #[arg(value_name = "FILE")]
+    file: Option<String>,
+    /// only this function (default: every function under the attribute)
+    #[arg(value_name = "FUNCTION")]
+    function: Option<String>,
+}
 
 /// One function under the attribute, as found in the file.
 struct Annotated {
@@ -30,15 +41,15 @@ struct Annotated {
 
 /// Runs `ivme expand` with the words after the command name.
 pub fn main(words: &[String]) -> Result<i32> {
-    if words.iter().any(|w| w == "-h" || w == "--help") {
-        println!("{USAGE}");
+    let Some(flags) = cli::read::<Flags>(COMMAND, words)? else {
         return Ok(0);
-    }
-    let (file, only) = match words {
-        [file] => (file, None),
-        [file, name] => (file, Some(name.as_str())),
-        _ => return Err(Error::Usage(format!("expected a file\n\n{USAGE}"))),
     };
+    let Some(file) = &flags.file else {
+        return Err(Error::Usage(format!(
+            "expected a file, e.g. `ivme {COMMAND} src/main.rs`; run `ivme {COMMAND} --help`"
+        )));
+    };
+    let only = flags.function.as_deref();
     let path = Path::new(file);
     let source = std::fs::read_to_string(path)
         .map_err(|e| Error::io(format!("reading {}", path.display()), e))?;
