@@ -18,6 +18,7 @@ pub struct AcceleratorBuilder {
     grad_accum: Option<usize>,
     precision: Option<Precision>,
     sharding: Option<crate::config::Sharding>,
+    buffers: Option<crate::config::BufferSync>,
     cpu: Option<bool>,
     clip_grad_norm: Option<f64>,
     clip_grad_value: Option<f64>,
@@ -111,6 +112,19 @@ impl AcceleratorBuilder {
         self.sharding = Some(s);
         self
     }
+    /// How the prepared models' buffers (BatchNorm's running statistics, a counter, an EMA:
+    /// variables the forward writes and no gradient reaches) agree across processes at the end
+    /// of each accumulation window: [`BufferSync::Broadcast`] (the default: rank 0's),
+    /// [`BufferSync::Average`] (the mean of every rank's) or [`BufferSync::Local`] (each
+    /// keeps its own); see docs/buffers.md.
+    ///
+    /// [`BufferSync::Broadcast`]: crate::BufferSync::Broadcast
+    /// [`BufferSync::Average`]: crate::BufferSync::Average
+    /// [`BufferSync::Local`]: crate::BufferSync::Local
+    pub fn buffers(mut self, b: crate::config::BufferSync) -> Self {
+        self.buffers = Some(b);
+        self
+    }
     /// The seed for ivme's generators: [`Accelerator::rng`] and the initial weights
     /// [`Accelerator::var_builder`] draws (0 unless set).
     pub fn seed(mut self, seed: u64) -> Self {
@@ -138,6 +152,21 @@ impl AcceleratorBuilder {
             crate::config::Sharding::No,
         )?;
         take(w);
+        let (buffers, w) = resolve(
+            "buffers",
+            self.buffers,
+            &env::BUFFERS,
+            crate::config::BufferSync::Broadcast,
+        )?;
+        take(w);
+        if buffers == crate::config::BufferSync::Local && sharding != crate::config::Sharding::No {
+            return Err(Error::config(
+                "buffers",
+                "local, with sharding",
+                "use buffers = broadcast or average under sharding: a sharded checkpoint \
+                 holds one value of each buffer, and local buffers differ by process",
+            ));
+        }
         let (cpu, w) = resolve_with("cpu", self.cpu, &env::CPU, false, |s| {
             env::parse_bool(s).ok_or_else(|| format!("use {}", env::CPU.values))
         })?;
@@ -238,7 +267,8 @@ impl AcceleratorBuilder {
                 self.bucket_mb.unwrap_or(25).max(1) << 20,
                 self.clip_grad_norm,
                 self.clip_grad_value,
-            ),
+            )
+            .with_buffers(buffers),
             mixed: crate::precision::MixedPrecision::new(precision, self.initial_loss_scale),
             training: crate::training::Training::new(grad_accum),
             data: crate::data::DataProgress::new(seed, rank),

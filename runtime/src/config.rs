@@ -116,6 +116,59 @@ impl FromStr for Sharding {
     }
 }
 
+/// How the buffers of a prepared model (state the forward writes and no optimizer steps, such
+/// as BatchNorm's running statistics) agree across processes at the end of every accumulation
+/// window; docs/buffers.md says what each costs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BufferSync {
+    /// Every process takes rank 0's buffers (what PyTorch's DDP does by default).
+    #[default]
+    Broadcast,
+    /// Every process takes the mean of all processes' buffers (for BatchNorm: statistics of
+    /// the whole global batch, as SyncBatchNorm's running statistics are).
+    Average,
+    /// Each process keeps its own; the ranks' models differ in their buffers, a checkpoint and
+    /// `save_model` hold rank 0's, and a resume gives every rank rank 0's.
+    Local,
+}
+
+impl BufferSync {
+    /// The valid spellings, for error messages.
+    pub const VALID: &'static [&'static str] = &["broadcast", "average", "local"];
+
+    /// The spelling used in configs and the attribute.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BufferSync::Broadcast => "broadcast",
+            BufferSync::Average => "average",
+            BufferSync::Local => "local",
+        }
+    }
+}
+
+impl fmt::Display for BufferSync {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for BufferSync {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "broadcast" => Ok(BufferSync::Broadcast),
+            "average" | "mean" => Ok(BufferSync::Average),
+            "local" => Ok(BufferSync::Local),
+            _ => Err(Error::config(
+                "buffers",
+                s,
+                format!("use one of {}", BufferSync::VALID.join(", ")),
+            )),
+        }
+    }
+}
+
 /// Resolves one setting by precedence (code > environment > default) and returns a warning
 /// naming both values when code and the environment disagree.
 pub(crate) fn resolve<T>(

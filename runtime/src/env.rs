@@ -66,6 +66,13 @@ pub const SHARDING: Var = Var {
     values: "no, optimizer or gradients (or 0, 1, 2)",
     meaning: "ZeRO sharding stage (`--sharding`, `sharding = ..`)",
 };
+/// How model buffers agree across processes.
+pub const BUFFERS: Var = Var {
+    name: "IVME_BUFFERS",
+    set_by: SetBy::Launcher,
+    values: "broadcast, average or local",
+    meaning: "how buffers such as BatchNorm statistics agree across processes (`--buffers`, `buffers = ..`)",
+};
 /// Micro-batches per optimizer step.
 pub const GRAD_ACCUM: Var = Var {
     name: "IVME_GRAD_ACCUM",
@@ -170,6 +177,7 @@ pub const VARS: &[Var] = &[
     CPU,
     PRECISION,
     SHARDING,
+    BUFFERS,
     GRAD_ACCUM,
     COLLECTIVE_TIMEOUT,
     DEBUG_SYNC,

@@ -38,6 +38,13 @@ impl SimpleBackend for SeededInit {
         if known || !dtype.is_float() {
             return self.varmap.get(s, name, h, dtype, dev);
         }
+        // BatchNorm's statistics stay f32 under bf16/fp16: candle's BatchNorm updates them
+        // with f32 batch statistics (buffers.rs).
+        let dtype = if self.low.is_some() && crate::buffers::is_batch_norm_statistic(name) {
+            DType::F32
+        } else {
+            dtype
+        };
         let drawn = draw_init(self.seed, name, h, &s).map_err(candle_core::Error::wrap)?;
         let exact = drawn.to_device(dev)?;
         let var = Var::from_tensor(&exact.to_dtype(dtype)?)?;

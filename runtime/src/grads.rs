@@ -282,6 +282,11 @@ pub struct ParamSet {
     pub compute: Vec<Var>,
     /// The f32 master variables the optimizer updates (the same as `compute` in f32 runs).
     pub master: Vec<Var>,
+    /// Whether each variable is a buffer (state the forward writes; buffers.rs), not a
+    /// parameter.
+    pub(crate) buffer: Vec<bool>,
+    /// Whether the end of the first window looked for buffers nobody declared (buffers.rs).
+    pub(crate) probed: bool,
     /// Running sums of gradients within the current window, in f32.
     pub(crate) sums: Vec<Option<Tensor>>,
     /// The persistent buffers of the allocation-free sync.
@@ -303,8 +308,11 @@ impl ParamSet {
     /// this set received a gradient.
     pub(crate) fn accumulate(&mut self, store: &GradStore) -> Result<bool> {
         let mut any = false;
-        for (var, sum) in self.compute.iter().zip(self.sums.iter_mut()) {
+        for (i, (var, sum)) in self.compute.iter().zip(self.sums.iter_mut()).enumerate() {
             if let Some(g) = store.get(var.as_tensor()) {
+                if self.buffer[i] {
+                    return self.refuse_buffer_gradient(i).map(|_| false);
+                }
                 let g = if g.dtype() == DType::F32 {
                     g.clone()
                 } else {

@@ -35,6 +35,7 @@
 pub mod accelerator;
 pub mod autocast;
 mod bucket;
+mod buffers;
 mod builder;
 pub mod checkpoint;
 pub mod comm;
@@ -69,7 +70,7 @@ mod window;
 pub mod macro_support;
 
 pub use accelerator::{Accelerator, AcceleratorBuilder};
-pub use config::{Precision, Sharding};
+pub use config::{BufferSync, Precision, Sharding};
 pub use error::{Error, Result};
 pub use grads::Gradients;
 pub use ivme_macros::accelerate;

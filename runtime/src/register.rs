@@ -50,10 +50,23 @@ impl Accelerator {
         let mut names = Vec::with_capacity(named.len());
         let mut compute = Vec::with_capacity(named.len());
         let mut master = Vec::with_capacity(named.len());
+        let mut buffer = Vec::with_capacity(named.len());
         let mut full = Vec::new();
         for (name, var) in named {
             let dt = var.dtype();
-            if self.mixed.policy() != Precision::No && dt == DType::F32 {
+            let statistic = crate::buffers::is_batch_norm_statistic(&name);
+            let is_buffer = statistic || self.training.is_pending_buffer(var.as_tensor().id());
+            if statistic && self.mixed.policy() != Precision::No && dt != DType::F32 {
+                return Err(Error::Precision(format!(
+                    "`{name}` (a BatchNorm running statistic) is {dt:?}: candle 0.11's BatchNorm \
+                     updates its statistics with f32 batch statistics, so its first training \
+                     step would fail with a dtype mismatch; build the model with \
+                     `accelerator.var_builder(&varmap, DType::F32)`, which keeps BatchNorm's \
+                     statistics in f32 under {} (or `#[accelerate]`, which writes that call)",
+                    self.mixed.policy()
+                )));
+            }
+            if self.mixed.policy() != Precision::No && dt == DType::F32 && !is_buffer {
                 return Err(Error::Precision(format!(
                     "precision is {} but variable `{name}` is f32, so the model would silently \
                      train in f32; create it with `accelerator.var_builder(&varmap, \
@@ -89,6 +102,7 @@ impl Accelerator {
             names.push(name);
             compute.push(var);
             master.push(m);
+            buffer.push(is_buffer);
         }
         let sums = vec![None; names.len()];
         let shard = if self.sync.sharding() == crate::Sharding::No {
@@ -106,6 +120,8 @@ impl Accelerator {
             names,
             compute,
             master,
+            buffer,
+            probed: false,
             sums,
             buffers: Default::default(),
             shard,
@@ -139,7 +155,8 @@ impl Accelerator {
                 ));
             };
             masters.push(m.master[i].clone());
-            if m.compute[i].as_tensor().id() != m.master[i].as_tensor().id() {
+            // A buffer's value is the model's own; its master only mirrors it (buffers.rs).
+            if !m.buffer[i] && m.compute[i].as_tensor().id() != m.master[i].as_tensor().id() {
                 copies.push((m.compute[i].clone(), m.master[i].clone()));
             }
         }

@@ -168,14 +168,31 @@ impl Sharded {
 
     /// Writes every process's updated slice into the model's weights. Weights in bf16/f16
     /// travel at their own size, half of f32's: each process rounds its own slice, which gives
-    /// the values the f32 gather would have rounded to.
-    pub(crate) fn gather_into(&self, comm: &dyn Communicator, compute: &[Var]) -> Result<()> {
-        let dtype = compute.first().map_or(DType::F32, |v| v.dtype());
+    /// the values the f32 gather would have rounded to. Variables flagged in `skip` (a model's
+    /// buffers, which hold their own value) keep it, and their dtype does not count.
+    pub(crate) fn gather_into(
+        &self,
+        comm: &dyn Communicator,
+        compute: &[Var],
+        skip: Option<&[bool]>,
+    ) -> Result<()> {
+        let skipped = |i: usize| skip.is_some_and(|s| s[i]);
+        let mut weights = compute.iter().enumerate().filter(|(i, _)| !skipped(*i));
+        let dtype = weights
+            .clone()
+            .next()
+            .map_or(DType::F32, |(_, v)| v.dtype());
         let half =
-            matches!(dtype, DType::BF16 | DType::F16) && compute.iter().all(|v| v.dtype() == dtype);
+            matches!(dtype, DType::BF16 | DType::F16) && weights.all(|(_, v)| v.dtype() == dtype);
         if !half {
-            for (var, t) in compute.iter().zip(self.gathered(comm, compute)?) {
-                var.set(&t.to_dtype(var.dtype())?)?;
+            for (i, (var, t)) in compute
+                .iter()
+                .zip(self.gathered(comm, compute)?)
+                .enumerate()
+            {
+                if !skipped(i) {
+                    var.set(&t.to_dtype(var.dtype())?)?;
+                }
             }
             return Ok(());
         }
@@ -186,7 +203,7 @@ impl Sharded {
         let total: usize = self.plan.counts.iter().sum();
         let mut whole = vec![0u8; total * 2];
         comm.all_gather_into(&mine, &mut whole, &self.plan.counts, 2)?;
-        for (i, var) in compute.iter().enumerate() {
+        for (i, var) in compute.iter().enumerate().filter(|(i, _)| !skipped(*i)) {
             let at = self.plan.offsets[i] * 2;
             let bytes = &whole[at..at + self.plan.sizes[i] * 2];
             var.set(&Tensor::from_raw_buffer(
@@ -369,7 +386,7 @@ impl Accelerator {
                 ));
             };
             step(&store)?;
-            shard.gather_into(&self.comm, &m.compute)?;
+            shard.gather_into(&self.comm, &m.compute, Some(&m.buffer))?;
         }
         Ok((store, false, norm))
     }

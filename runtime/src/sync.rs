@@ -18,7 +18,7 @@
 
 use crate::accelerator::Accelerator;
 use crate::comm::Communicator;
-use crate::config::Sharding;
+use crate::config::{BufferSync, Sharding};
 use crate::error::Result;
 use crate::grads::Gradients;
 use candle_core::backprop::GradStore;
@@ -50,6 +50,7 @@ pub(crate) struct SyncSettings {
     bucket_bytes: usize,
     clip_norm: Option<f64>,
     clip_value: Option<f64>,
+    buffers: BufferSync,
 }
 
 impl SyncSettings {
@@ -65,7 +66,17 @@ impl SyncSettings {
             bucket_bytes,
             clip_norm,
             clip_value,
+            buffers: BufferSync::Broadcast,
         }
+    }
+    /// The same settings with buffers agreeing as `buffers` says.
+    pub(crate) fn with_buffers(mut self, buffers: BufferSync) -> Self {
+        self.buffers = buffers;
+        self
+    }
+    /// How buffers agree across processes.
+    pub(crate) fn buffers(&self) -> BufferSync {
+        self.buffers
     }
     /// How much of the training state each process holds.
     pub(crate) fn sharding(&self) -> Sharding {
@@ -94,6 +105,7 @@ impl Accelerator {
     /// fp16 overflowed and (when clipping measured it) the global norm.
     pub(crate) fn end_window(&mut self, touched: &[bool], inv_scale: f64) -> Result<Gradients> {
         let position = self.training.window().position();
+        self.end_window_buffers(touched)?;
         match self.sync.strategy() {
             Strategy::Sharded => {
                 let (store, overflow, norm) = self.step_sharded(touched, position, inv_scale)?;

@@ -4,7 +4,7 @@
 
 use crate::grads::{GradientState, ParamSet};
 use crate::optim::accelerated::PreparedSlot;
-use candle_core::Var;
+use candle_core::{TensorId, Var};
 use std::sync::Arc;
 
 /// The prepared models and optimizers, in preparation order, and the shared window state.
@@ -12,6 +12,8 @@ pub(crate) struct Training {
     models: Vec<ParamSet>,
     optimizers: Vec<Box<dyn PreparedSlot>>,
     window: Arc<GradientState>,
+    /// Variables registered as buffers before their model was prepared.
+    pending_buffers: Vec<TensorId>,
 }
 
 impl Training {
@@ -21,6 +23,7 @@ impl Training {
             models: Vec::new(),
             optimizers: Vec::new(),
             window: Arc::new(GradientState::new(grad_accum)),
+            pending_buffers: Vec::new(),
         }
     }
 
@@ -50,6 +53,16 @@ impl Training {
     /// Adds a prepared model; it is model `models().len() - 1` from now on.
     pub(crate) fn add_model(&mut self, model: ParamSet) {
         self.models.push(model);
+    }
+
+    /// Remembers that the variable `id` is a buffer, for when its model is prepared.
+    pub(crate) fn add_pending_buffer(&mut self, id: TensorId) {
+        self.pending_buffers.push(id);
+    }
+
+    /// Whether the variable `id` was registered as a buffer before its model was prepared.
+    pub(crate) fn is_pending_buffer(&self, id: TensorId) -> bool {
+        self.pending_buffers.contains(&id)
     }
 
     /// The prepared optimizers, in preparation order.

@@ -4,8 +4,8 @@
 use crate::edit_distance;
 use crate::errors::Errors;
 use crate::values::{
-    boolean, grad_accum, positive_float, precision, project_dir, seconds, seed, total_limit,
-    zero_stage,
+    boolean, buffer_mode, grad_accum, positive_float, precision, project_dir, seconds, seed,
+    total_limit, zero_stage,
 };
 use proc_macro2::{Literal, Span, TokenStream};
 use quote::{quote, quote_spanned};
@@ -28,6 +28,7 @@ pub(crate) const KEYS: &[&str] = &[
     "debug_sync",
     "async_checkpoints",
     "zero",
+    "buffers",
 ];
 
 /// Names users bring from other training libraries, mapped to ours.
@@ -37,6 +38,7 @@ const ALIASES: &[(&str, &str)] = &[
     ("max_grad_norm", "clip_grad_norm"),
     ("zero_stage", "zero"),
     ("sharding", "zero"),
+    ("broadcast_buffers", "buffers"),
 ];
 
 /// The precisions `precision = ".."` accepts: the canonical spellings, which `ivme::Precision`
@@ -68,6 +70,7 @@ pub(crate) struct Config {
     pub debug_sync: Option<Setting<bool>>,
     pub async_checkpoints: Option<Setting<bool>>,
     pub zero: Option<Setting<u8>>,
+    pub buffers: Option<Setting<&'static str>>,
     /// The key names as written, for errors about the attribute as a whole.
     pub keys: Vec<syn::Path>,
 }
@@ -78,9 +81,10 @@ impl Config {
         self.async_checkpoints.as_ref().is_some_and(|s| s.value)
     }
 
-    /// True when the attribute asked for a low-precision mode.
-    pub fn low_precision(&self) -> bool {
-        matches!(&self.precision, Some(p) if p.value != "no")
+    /// True when the attribute fixes the precision to f32 (`precision = "no"`), which no
+    /// launcher flag or config file can change at run time (code wins).
+    pub fn precision_is_f32(&self) -> bool {
+        matches!(&self.precision, Some(p) if p.value == "no")
     }
 
     /// The builder calls between `Accelerator::builder()` and `.build()`, each spanned on the
@@ -143,6 +147,17 @@ impl Config {
                 s.span,
             );
             calls.extend(quote_spanned!(s.span=> .sharding(::ivme::Sharding::#variant)));
+        }
+        if let Some(s) = &self.buffers {
+            let variant = syn::Ident::new(
+                match s.value {
+                    "average" => "Average",
+                    "local" => "Local",
+                    _ => "Broadcast",
+                },
+                s.span,
+            );
+            calls.extend(quote_spanned!(s.span=> .buffers(::ivme::BufferSync::#variant)));
         }
         calls
     }
@@ -231,6 +246,7 @@ pub(crate) fn parse(attr: TokenStream) -> Result<Config, syn::Error> {
                 boolean(&key, value).map(|v| config.async_checkpoints = setting(v, span))
             }
             "zero" => zero_stage(value).map(|v| config.zero = setting(v, span)),
+            "buffers" => buffer_mode(value).map(|v| config.buffers = setting(v, span)),
             _ => seed(value).map(|v| config.seed = setting(v, span)),
         };
         if let Err(e) = result {
@@ -278,6 +294,7 @@ fn missing_value(path: &syn::Path) -> syn::Error {
         "debug_sync" => "debug_sync = true",
         "async_checkpoints" => "async_checkpoints = true",
         "zero" => "zero = 2",
+        "buffers" => "buffers = \"average\"",
         _ => return unknown_key(path, &key),
     };
     syn::Error::new_spanned(path, format!("`{key}` needs a value, e.g. `{example}`"))
@@ -386,6 +403,28 @@ mod tests {
     fn aliases_from_other_libraries_point_to_our_key() {
         let errs = errors_of(quote!(gradient_accumulation_steps = 2));
         assert!(errs[0].contains("did you mean `grad_accum`"), "{errs:?}");
+    }
+
+    #[test]
+    fn buffers_is_a_mode_that_becomes_its_builder_call() {
+        for (mode, variant) in [
+            ("broadcast", "Broadcast"),
+            ("average", "Average"),
+            ("local", "Local"),
+        ] {
+            let calls = parse(quote!(buffers = #mode))
+                .unwrap()
+                .builder_calls()
+                .to_string();
+            assert!(
+                calls.ends_with(&format!(". buffers (:: ivme :: BufferSync :: {variant})")),
+                "{calls}"
+            );
+        }
+        let errs = errors_of(quote!(buffers = "averge"));
+        assert!(errs[0].contains("did you mean \"average\""), "{errs:?}");
+        let errs = errors_of(quote!(buffers = average));
+        assert!(errs[0].contains("`buffers` takes a string"), "{errs:?}");
     }
 
     #[test]

@@ -81,6 +81,36 @@ pub(crate) fn precision(value: &Expr) -> syn::Result<&'static str> {
     }
 }
 
+/// The ways `buffers = ".."` may be spelled (`ivme::BufferSync` reads the same words).
+pub(crate) const BUFFER_MODES: &[&str] = &["broadcast", "average", "local"];
+
+/// How buffers agree across processes: one of [`BUFFER_MODES`].
+pub(crate) fn buffer_mode(value: &Expr) -> syn::Result<&'static str> {
+    let valid = BUFFER_MODES
+        .iter()
+        .map(|p| format!("\"{p}\""))
+        .collect::<Vec<_>>()
+        .join(", ");
+    if let Some((Lit::Str(s), false)) = literal(value) {
+        let v = s.value();
+        if let Some(m) = BUFFER_MODES.iter().find(|m| **m == v) {
+            return Ok(m);
+        }
+        let hint = match closest(&v.to_ascii_lowercase(), BUFFER_MODES) {
+            Some(m) => format!("; did you mean \"{m}\"?"),
+            None => String::new(),
+        };
+        return Err(syn::Error::new_spanned(
+            value,
+            format!("unknown buffers mode \"{v}\": use one of {valid}{hint}"),
+        ));
+    }
+    Err(syn::Error::new_spanned(
+        value,
+        format!("`buffers` takes a string, one of {valid}, e.g. `buffers = \"average\"`"),
+    ))
+}
+
 /// A positive, finite number of seconds (an integer or a float literal).
 pub(crate) fn seconds(key: &str, value: &Expr) -> syn::Result<f64> {
     let parsed = match literal(value) {

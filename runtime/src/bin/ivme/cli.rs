@@ -8,7 +8,7 @@
 use clap::builder::TypedValueParser;
 use clap::error::{ContextKind, ContextValue, ErrorKind};
 use clap::{Arg, ArgMatches, Command, CommandFactory, FromArgMatches};
-use ivme::{Error, Precision, Result, Sharding};
+use ivme::{BufferSync, Error, Precision, Result, Sharding};
 use ivme_macros_core::edit_distance;
 use std::ffi::OsStr;
 use std::time::Duration;
@@ -24,6 +24,7 @@ const EXAMPLES: &[(&str, &str)] = &[
     ("hostfile", "hosts.txt"),
     ("mixed_precision", "bf16"),
     ("sharding", "gradients"),
+    ("buffers", "average"),
     ("max_restarts", "3"),
     ("collective_timeout", "10m"),
     ("config_file", "ivme.toml"),
@@ -295,6 +296,16 @@ pub fn precision(flag: &str, raw: &str, _: &str) -> std::result::Result<Precisio
         format!(
             "`{flag} {raw}` is not a precision; use one of {}",
             Precision::VALID.join(", ")
+        )
+    })
+}
+
+/// How buffers agree across processes.
+pub fn buffers(flag: &str, raw: &str, _: &str) -> std::result::Result<BufferSync, String> {
+    raw.parse().map_err(|_| {
+        format!(
+            "`{flag} {raw}` is not a way for buffers to agree; use one of {}",
+            BufferSync::VALID.join(", ")
         )
     })
 }

@@ -5,7 +5,7 @@ use crate::cli::{self, Checked};
 use crate::mpirun;
 use crate::settings::Settings;
 use clap::Parser;
-use ivme::{Precision, Result, Sharding};
+use ivme::{BufferSync, Precision, Result, Sharding};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -35,6 +35,9 @@ struct Flags {
     /// ZeRO sharding stage (or 0|1|2), passed as IVME_SHARDING
     #[arg(long, value_name = "no|optimizer|gradients", value_parser = Checked(cli::sharding))]
     sharding: Option<Sharding>,
+    /// how buffers (BatchNorm statistics) agree across processes, passed as IVME_BUFFERS
+    #[arg(long, value_name = "broadcast|average|local", value_parser = Checked(cli::buffers))]
+    buffers: Option<BufferSync>,
     /// micro-batches per optimizer step, passed as IVME_GRAD_ACCUM
     #[arg(long, value_name = "steps", value_parser = Checked(cli::positive))]
     gradient_accumulation_steps: Option<usize>,
@@ -126,6 +129,7 @@ impl LaunchArgs {
             hostfile: f.hostfile.map(PathBuf::from),
             mixed_precision: f.mixed_precision,
             sharding: f.sharding,
+            buffers: f.buffers,
             gradient_accumulation_steps: f.gradient_accumulation_steps,
             num_machines: f.num_machines,
             machine_rank: f.machine_rank,

@@ -12,7 +12,7 @@ use crate::rank;
 use crate::sources::{self, Origin};
 use crate::tuning;
 use ivme::env;
-use ivme::{Error, Precision, Result, Sharding};
+use ivme::{BufferSync, Error, Precision, Result, Sharding};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -39,6 +39,8 @@ pub struct LaunchPlan {
     pub precision: Option<Precision>,
     /// The ZeRO sharding stage, when given.
     pub sharding: Option<Sharding>,
+    /// How buffers agree across processes, when given.
+    pub buffers: Option<BufferSync>,
     /// Micro-batches per optimizer step, when given.
     pub grad_accum: Option<usize>,
     /// How many times a failed job is started again.
@@ -79,6 +81,7 @@ impl LaunchPlan {
             origins: Vec::new(),
             precision: s.mixed_precision,
             sharding: s.sharding,
+            buffers: s.buffers,
             grad_accum: s.gradient_accumulation_steps,
             max_restarts: s.max_restarts.unwrap_or(0),
             collective_timeout: s.collective_timeout,
@@ -149,6 +152,9 @@ impl LaunchPlan {
         }
         if let Some(s) = self.sharding {
             ours.push((env::SHARDING.name.into(), s.as_str().into()));
+        }
+        if let Some(b) = self.buffers {
+            ours.push((env::BUFFERS.name.into(), b.as_str().into()));
         }
         if self.num_machines > 1 {
             ours.push((env::NUM_MACHINES.name.into(), self.num_machines.to_string()));

@@ -31,6 +31,7 @@ pub fn describe_settings(plan: &LaunchPlan) -> String {
             "cpu" => plan.cpu.to_string(),
             "mixed_precision" => plan.precision.unwrap_or_default().to_string(),
             "sharding" => plan.sharding.unwrap_or_default().to_string(),
+            "buffers" => plan.buffers.unwrap_or_default().to_string(),
             "gradient_accumulation_steps" => plan.grad_accum.unwrap_or(1).to_string(),
             "num_machines" => plan.num_machines.to_string(),
             "machine_rank" => plan.machine_rank.to_string(),

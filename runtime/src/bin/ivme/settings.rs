@@ -7,7 +7,7 @@
 //! launcher's defaults.
 
 use crate::cli;
-use ivme::{Error, Precision, Result, Sharding};
+use ivme::{BufferSync, Error, Precision, Result, Sharding};
 use std::path::{Path, PathBuf};
 
 /// The one config format this ivme reads and writes.
@@ -26,6 +26,7 @@ pub const KEYS: &[&str] = &[
     "cpu",
     "mixed_precision",
     "sharding",
+    "buffers",
     "gradient_accumulation_steps",
     "backend",
     "num_machines",
@@ -50,6 +51,8 @@ pub struct Settings {
     pub mixed_precision: Option<Precision>,
     /// ZeRO sharding stage.
     pub sharding: Option<Sharding>,
+    /// How buffers agree across processes.
+    pub buffers: Option<BufferSync>,
     /// Micro-batches per optimizer step.
     pub gradient_accumulation_steps: Option<usize>,
     /// How the ranks talk (one of [`BACKENDS`]).
@@ -280,6 +283,10 @@ impl Settings {
                     let s = word(k, v, path, Some(Sharding::VALID))?;
                     c.sharding = Some(s.parse()?);
                 }
+                "buffers" => {
+                    let s = word(k, v, path, Some(BufferSync::VALID))?;
+                    c.buffers = Some(s.parse()?);
+                }
                 "backend" => c.backend = Some(word(k, v, path, Some(BACKENDS))?.to_string()),
                 "main_process_ip" => c.main_process_ip = Some(word(k, v, path, None)?.to_string()),
                 "hosts" => {
@@ -346,6 +353,10 @@ impl Settings {
             "ZeRO sharding: no, optimizer (stage 1) or gradients (stage 2); docs/sharding.md.",
             self.sharding
                 .map(|s| format!("sharding = {}", q(s.as_str()))),
+        );
+        put(
+            "Buffers (BatchNorm statistics): broadcast, average or local; docs/buffers.md.",
+            self.buffers.map(|b| format!("buffers = {}", q(b.as_str()))),
         );
         put(
             "Micro-batches per optimizer step.",

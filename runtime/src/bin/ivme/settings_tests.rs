@@ -17,6 +17,7 @@ fn a_written_config_reads_back_the_same() {
         cpu: Some(false),
         mixed_precision: Some(Precision::Fp16),
         sharding: Some(ivme::Sharding::Gradients),
+        buffers: Some(ivme::BufferSync::Average),
         gradient_accumulation_steps: Some(2),
         backend: Some("mpi".into()),
         num_machines: Some(2),

@@ -5,7 +5,7 @@
 use crate::flags::LaunchArgs;
 use crate::settings::Settings;
 use ivme::env;
-use ivme::{Error, Precision, Result, Sharding};
+use ivme::{BufferSync, Error, Precision, Result, Sharding};
 use std::path::{Path, PathBuf};
 
 /// The place one setting's value came from.
@@ -62,7 +62,7 @@ macro_rules! show_display {
         }
     )+};
 }
-show_display!(usize, u16, bool, Precision, Sharding, String);
+show_display!(usize, u16, bool, Precision, Sharding, BufferSync, String);
 
 impl Show for PathBuf {
     fn show(&self) -> String {
@@ -149,6 +149,12 @@ fn from_env(inherited: &[(String, String)]) -> Result<Settings> {
             |s| s.parse::<Sharding>().ok(),
             &format!("one of {}", Sharding::VALID.join(", ")),
         )?,
+        buffers: env_value(
+            inherited,
+            env::BUFFERS.name,
+            |s| s.parse::<BufferSync>().ok(),
+            &format!("one of {}", BufferSync::VALID.join(", ")),
+        )?,
         gradient_accumulation_steps: env_value(
             inherited,
             env::GRAD_ACCUM.name,
@@ -177,6 +183,7 @@ fn env_name(key: &str) -> &'static str {
         "cpu" => env::CPU.name,
         "mixed_precision" => env::PRECISION.name,
         "sharding" => env::SHARDING.name,
+        "buffers" => env::BUFFERS.name,
         "gradient_accumulation_steps" => env::GRAD_ACCUM.name,
         "collective_timeout" => env::COLLECTIVE_TIMEOUT.name,
         "debug_sync" => env::DEBUG_SYNC.name,
@@ -219,6 +226,7 @@ pub fn merge(
         cpu,
         mixed_precision,
         sharding,
+        buffers,
         gradient_accumulation_steps,
         num_machines,
         machine_rank,
