@@ -34,6 +34,15 @@ fn active() -> Option<Precision> {
     }
 }
 
+/// candle's layer ops that take the input as their left operand and a weight as the right.
+const INPUT_FIRST: &[&str] = &[
+    "conv1d",
+    "conv2d",
+    "conv_transpose1d",
+    "conv_transpose2d",
+    "matmul",
+];
+
 /// Where the docs list the models known to do this, and the patches.
 const DOCS: &str = "docs/precision.md";
 
@@ -45,6 +54,24 @@ pub(crate) fn explain(e: candle_core::Error) -> Error {
     };
     let low = p.compute_dtype();
     let hint = match root(&e) {
+        // A layer whose input (lhs) is f32 while its weight (rhs) is low precision: the batch
+        // itself was never cast, which is the usual cause and not the model's code.
+        candle_core::Error::DTypeMismatchBinaryOp { lhs, rhs, op }
+            if *lhs == DType::F32 && *rhs == low && INPUT_FIRST.contains(op) =>
+        {
+            format!(
+                "candle's `{op}` got an f32 input and {low:?} weights{at}. Under precision {p} \
+                 the model's weights are {low:?}, so the input, usually the batch itself, was \
+                 never cast: pass it through an autocast scope, \
+                 `accelerator.autocast(|ac| model.forward(&ac.input(&x)?))`; under \
+                 `#[accelerate]` the attribute does this for `forward`/`forward_t` calls on the \
+                 batch, so call the model through one of those (not a method of your own), or \
+                 cast with `x.to_dtype(accelerator.precision().compute_dtype())`. If that \
+                 input was made inside model code, make it in the weights' dtype instead; see \
+                 {DOCS}",
+                at = made_at(&e)
+            )
+        }
         candle_core::Error::DTypeMismatchBinaryOp { lhs, rhs, op }
             if [*lhs, *rhs].contains(&DType::F32) && [*lhs, *rhs].contains(&low) =>
         {

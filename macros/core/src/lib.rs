@@ -58,9 +58,10 @@ pub fn try_expand(attr: TokenStream, item: TokenStream) -> Result<TokenStream, s
     });
     let source = signature::inspect(&func.sig, &config, &attr, &mut errors);
 
-    // Without low precision an autocast scope does nothing, so a created accelerator skips it;
-    // a passed-in one may have been built with any precision, so its scopes stay.
-    let autocast = matches!(source, Source::Param(_)) || config.low_precision();
+    // Only `precision = "no"` lets a created accelerator skip the scopes, which do nothing in
+    // f32: without the key the launcher or config file may still set bf16/fp16 at run time,
+    // and the batch must then be cast. A passed-in one may have any precision: scopes stay.
+    let autocast = matches!(source, Source::Param(_)) || !config.precision_is_f32();
     let mut rewriter = rewrite::Rewriter::new(source.ident().clone(), autocast);
     let mut body = (*func.block).clone();
     rewriter.visit_block_mut(&mut body);
