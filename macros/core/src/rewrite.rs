@@ -195,6 +195,26 @@ impl Rewriter {
                     *e = parse_quote_spanned!(span=> #scope.run(|#ac| #e));
                 }
             }
+            // `x.apply(&model)` / `x.apply_t(&model, train)`: the receiver is the input.
+            ("apply", 1) | ("apply_t", 2) if self.autocast => {
+                let outermost = !self.in_autocast;
+                self.in_autocast = true;
+                let ac = self.scope_ident(span);
+                self.visit_expr_mut(&mut mc.receiver);
+                for arg in mc.args.iter_mut() {
+                    self.visit_expr_mut(arg);
+                }
+                let input = &mc.receiver;
+                let input_span = input.span();
+                // An input already cast (a chained apply) passes through `input` unchanged.
+                *mc.receiver = parse_quote_spanned!(input_span=> #ac.input(&#input)?);
+                if outermost {
+                    self.in_autocast = false;
+                    let scope = scope_binding();
+                    self.used_autocast = true;
+                    *e = parse_quote_spanned!(span=> #scope.run(|#ac| #e));
+                }
+            }
             ("prepare" | "prepare_optimizer", _) => {
                 let outer = std::mem::replace(&mut self.in_prepare, true);
                 visit_mut::visit_expr_mut(self, e);

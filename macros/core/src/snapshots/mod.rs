@@ -317,6 +317,34 @@ fn forward_runs_in_an_autocast_scope_with_reference_inputs_cast() {
 }
 
 #[test]
+fn apply_and_apply_t_cast_their_receiver_and_a_model_s_own_methods_are_left_alone() {
+    assert_expands(
+        quote!(precision = "bf16"),
+        quote! {
+            fn f() -> Result<()> {
+                let y = x.apply(&model)?;
+                let z = x.apply_t(&head, true)?.apply(&tail)?;
+                let e = model.encode(&x)?;
+            }
+        },
+        quote! {
+            fn f() -> Result<()> {
+                #[allow(unused_mut, unused_variables)]
+                let mut accelerator = ::ivme::Accelerator::builder()
+                    .precision(::ivme::Precision::Bf16)
+                    .build()?;
+                let __ivme_autocast = accelerator.autocast_scope();
+                let y = __ivme_autocast.run(|__ivme_ac| __ivme_ac.input(&x)?.apply(&model))?;
+                let z = __ivme_autocast.run(|__ivme_ac| __ivme_ac
+                    .input(&__ivme_ac.input(&x)?.apply_t(&head, true)?)?
+                    .apply(&tail))?;
+                let e = model.encode(&x)?;
+            }
+        },
+    );
+}
+
+#[test]
 fn forward_is_left_alone_only_when_the_attribute_fixes_f32() {
     let item = quote!(
         fn f() -> Result<()> {
