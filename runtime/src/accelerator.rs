@@ -269,7 +269,8 @@ impl Accelerator {
     }
 
     /// Clips synced gradients to a global `norm_type` norm of at most `max_norm` and returns
-    /// the norm before clipping (`None` on accumulation micro-steps).
+    /// the norm before clipping (`None` on accumulation micro-steps). The norm is taken over
+    /// the variables prepared optimizers step: a frozen variable's gradient does not count.
     pub fn clip_grad_norm(
         &self,
         grads: &mut Gradients,
@@ -277,14 +278,14 @@ impl Accelerator {
         norm_type: f64,
     ) -> Result<Option<f64>> {
         self.refuse_when_sharded("clip_grad_norm")?;
-        let vars = self.master_vars();
+        let vars = self.training.trained_master_vars();
         grads.clip_norm(&vars, max_norm, norm_type)
     }
 
     /// Clamps synced gradients to `[-limit, limit]`.
     pub fn clip_grad_value(&self, grads: &mut Gradients, limit: f64) -> Result<()> {
         self.refuse_when_sharded("clip_grad_value")?;
-        let vars = self.master_vars();
+        let vars = self.training.trained_master_vars();
         grads.clip_value(&vars, limit)
     }
 
@@ -302,12 +303,6 @@ impl Accelerator {
     pub fn autocast_scope(&self) -> Autocast {
         let dtype = self.mixed.autocast_dtype();
         Autocast::new(dtype)
-    }
-
-    /// Every prepared model's f32 master variables, model by model in name order: what
-    /// clipping measures.
-    pub(crate) fn master_vars(&self) -> Vec<Var> {
-        self.training.master_vars()
     }
 
     /// The prepared models' variables by name: (name, f32 master) pairs, sorted by name.

@@ -285,6 +285,8 @@ pub struct ParamSet {
     /// Whether each variable is a buffer (state the forward writes; buffers.rs), not a
     /// parameter.
     pub(crate) buffer: Vec<bool>,
+    /// Whether a prepared optimizer steps each variable (clipping measures only those).
+    pub(crate) trained: Vec<bool>,
     /// Whether the end of the first window looked for buffers nobody declared (buffers.rs).
     pub(crate) probed: bool,
     /// Running sums of gradients within the current window, in f32.

@@ -105,6 +105,7 @@ impl Accelerator {
             buffer.push(is_buffer);
         }
         let sums = vec![None; names.len()];
+        let trained = vec![false; names.len()];
         let shard = if self.sync.sharding() == crate::Sharding::No {
             None
         } else {
@@ -120,6 +121,7 @@ impl Accelerator {
             names,
             compute,
             master,
+            trained,
             buffer,
             probed: false,
             sums,
@@ -141,7 +143,7 @@ impl Accelerator {
         let mut copies = Vec::new();
         for v in opt.vars() {
             let id = v.as_tensor().id();
-            let found = self.training.models().iter().find_map(|m| {
+            let found = self.training.models_mut().iter_mut().find_map(|m| {
                 m.compute
                     .iter()
                     .position(|c| c.as_tensor().id() == id)
@@ -154,6 +156,7 @@ impl Accelerator {
                         .into(),
                 ));
             };
+            m.trained[i] = true;
             masters.push(m.master[i].clone());
             // A buffer's value is the model's own; its master only mirrors it (buffers.rs).
             if !m.buffer[i] && m.compute[i].as_tensor().id() != m.master[i].as_tensor().id() {
@@ -215,6 +218,7 @@ impl Accelerator {
                     .into(),
             ));
         }
+        m.trained.iter_mut().for_each(|t| *t = true);
         let shard = m.shard.as_mut().expect("a sharded model");
         if shard.stepper.is_some() {
             return Err(Error::Prepare(

@@ -162,7 +162,7 @@ impl Accelerator {
         if self.sync.clip_norm().is_none() && self.sync.clip_value().is_none() {
             return Ok(());
         }
-        let vars = self.master_vars();
+        let vars = self.training.trained_master_vars();
         if let Some(n) = self.sync.clip_norm() {
             grads.clip_norm(&vars, n, 2.0)?;
         }

@@ -90,11 +90,21 @@ impl Training {
         self.optimizers.first().map_or(0, |o| o.steps())
     }
 
-    /// Every model's f32 master variables, model by model in name order.
-    pub(crate) fn master_vars(&self) -> Vec<Var> {
+    /// The f32 masters clipping measures, model by model in name order: those a prepared
+    /// optimizer steps, as PyTorch clips only what has a `.grad` (a frozen variable's gradient,
+    /// which candle computes all the same, must not shrink the trained ones); every variable
+    /// of a model no optimizer was prepared for.
+    pub(crate) fn trained_master_vars(&self) -> Vec<Var> {
         self.models
             .iter()
-            .flat_map(|m| m.master.iter().cloned())
+            .flat_map(|m| {
+                let any = m.trained.iter().any(|t| *t);
+                m.master
+                    .iter()
+                    .zip(&m.trained)
+                    .filter(move |(_, t)| **t || !any)
+                    .map(|(v, _)| v.clone())
+            })
             .collect()
     }
 
