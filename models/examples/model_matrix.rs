@@ -7,7 +7,10 @@
 //! ivme launch --num_processes N model_matrix FAMILY macro OUT   # the plain loop under #[accelerate]
 //! ```
 //!
-//! FAMILY is one of `llama`, `qwen2`, `bert`, `vit`, `t5`, `llama2c` (examples/support/models.rs).
+//! FAMILY is one of `llama`, `qwen2`, `xlmr`, `bert`, `vit`, `t5`, `llama2c`, `mistral`, `phi3`
+//! (examples/support/models.rs). BatchNorm models are not here: their batch statistics couple
+//! the samples of a micro-batch, so the one-big-batch reference does not apply; the conv net
+//! with BatchNorm is checked in tests/buffers.rs against a reference that simulates the ranks.
 //! The precision comes from the launcher (`--mixed_precision`, or `IVME_PRECISION`).
 //!
 //! Every epoch is one optimizer step over `GRAD_ACCUM × N` micro-batches: each of the N

@@ -1,6 +1,6 @@
 //! The model matrix: small random-init candle-transformers 0.11.1 models, their code unchanged,
 //! trained by ivme by hand and as a plain loop under `#[accelerate]`, in f32, bf16 and fp16, on
-//! 1 and 2 real processes (`models/examples/model_matrix.rs`).
+//! 1 and 2 real processes, the 2-process runs under ZeRO stages 0, 1 and 2 (`models/examples/model_matrix.rs`).
 //!
 //! - Every run that can work must: its loss finite and falling on every rank, the ranks'
 //!   weights identical, the macro's weights identical to the by-hand ones, and in f32 the
@@ -43,14 +43,18 @@ fn parse_losses(stdout: &str, n: usize) -> Vec<Vec<f32>> {
 }
 
 /// Runs `family` the `way` given on `n` processes; `Err(stderr)` when it failed.
-fn run(family: &str, way: &str, n: usize, precision: &str) -> Result<Run, String> {
-    let dir = Scratch::new(&format!("matrix-{family}-{way}-{n}-{precision}"));
+fn run(family: &str, way: &str, n: usize, precision: &str, stage: &str) -> Result<Run, String> {
+    let dir = Scratch::new(&format!("matrix-{family}-{way}-{n}-{precision}-{stage}"));
     let out = dir.0.to_str().unwrap();
     let o = launch(
         n,
         &example_bin("model_matrix"),
         &[family, way, out],
-        &[("IVME_PRECISION", precision), ("RUST_BACKTRACE", "1")],
+        &[
+            ("IVME_PRECISION", precision),
+            ("IVME_SHARDING", stage),
+            ("RUST_BACKTRACE", "1"),
+        ],
     );
     let (stdout, stderr) = text(&o);
     if !o.status.success() {
@@ -105,16 +109,17 @@ fn max_diff(a: &HashMap<String, Tensor>, b: &HashMap<String, Tensor>) -> f32 {
         )
 }
 
-/// Trains `family` in `precision` every way on 1 and 2 processes and checks each run.
+/// Trains `family` in `precision` every way on 1 process, and on 2 under every sharding
+/// stage (ZeRO 0, 1 and 2), and checks each run.
 fn trains(family: &str, precision: &str) {
-    for n in [1, 2] {
+    for (n, stage) in [(1, "no"), (2, "no"), (2, "optimizer"), (2, "gradients")] {
         let reference = (precision == "no").then(|| plain(family, n));
         let mut by_way = Vec::new();
         for way in ["hand", "macro"] {
-            let r = run(family, way, n, precision).unwrap_or_else(|stderr| {
-                panic!("{family} {way} on {n} in {precision} failed:\n{stderr}")
+            let r = run(family, way, n, precision, stage).unwrap_or_else(|stderr| {
+                panic!("{family} {way} on {n}, sharding {stage}, in {precision} failed:\n{stderr}")
             });
-            let what = format!("{family} {way}, {n} process(es), {precision}");
+            let what = format!("{family} {way}, {n} process(es), sharding {stage}, {precision}");
             for (rank, l) in r.losses.iter().enumerate() {
                 assert!(
                     l.len() >= 2 && l.iter().all(|v| v.is_finite()),
@@ -144,7 +149,8 @@ fn trains(family: &str, precision: &str) {
         assert_eq!(
             max_diff(&by_way[0].weights[0], &by_way[1].weights[0]),
             0.0,
-            "{family} on {n} in {precision}: the macro's weights differ from the by-hand ones"
+            "{family} on {n}, sharding {stage}, in {precision}: the macro's weights differ from \
+             the by-hand ones"
         );
     }
 }
@@ -152,7 +158,7 @@ fn trains(family: &str, precision: &str) {
 /// `family` cannot run in `precision`: both ways stop at once, saying each of `says`.
 fn refused(family: &str, precision: &str, says: &[&str]) {
     for way in ["hand", "macro"] {
-        match run(family, way, 1, precision) {
+        match run(family, way, 1, precision, "no") {
             Ok(r) => panic!(
                 "{family} {way} in {precision} should have stopped, but trained: {:?}",
                 r.losses
@@ -273,4 +279,30 @@ fn llama2c_in_half_precision_is_refused_naming_the_model_code() {
     for p in ["bf16", "fp16"] {
         refused("llama2c", p, &[MIXED_DTYPES, "llama2_c::"]);
     }
+}
+
+#[test]
+fn mistral_f32() {
+    trains("mistral", "no");
+}
+#[test]
+fn mistral_bf16() {
+    trains("mistral", "bf16");
+}
+#[test]
+fn mistral_fp16() {
+    trains("mistral", "fp16");
+}
+
+#[test]
+fn phi3_f32() {
+    trains("phi3", "no");
+}
+#[test]
+fn phi3_bf16() {
+    trains("phi3", "bf16");
+}
+#[test]
+fn phi3_fp16() {
+    trains("phi3", "fp16");
 }

@@ -10,7 +10,8 @@
 
 use candle_core::{DType, Device, IndexOp, Module, Tensor, D};
 use candle_nn::{linear, Linear, VarBuilder};
-use candle_transformers::models::{bert, llama, llama2_c, qwen2, t5, vit, xlm_roberta};
+use candle_transformers::models::xlm_roberta;
+use candle_transformers::models::{bert, llama, llama2_c, mistral, phi3, qwen2, t5, vit};
 use ivme::rng::Rng;
 
 /// Tokens in the language tasks' vocabulary.
@@ -25,7 +26,9 @@ pub const IMAGE: usize = 8;
 pub const CLASSES: usize = 4;
 
 /// The model families of the matrix, by the name the example takes on its command line.
-pub const FAMILIES: [&str; 7] = ["llama", "qwen2", "xlmr", "bert", "vit", "t5", "llama2c"];
+pub const FAMILIES: [&str; 9] = [
+    "llama", "qwen2", "xlmr", "bert", "vit", "t5", "llama2c", "mistral", "phi3",
+];
 
 /// A model and the loss of one batch of its task.
 pub trait Task {
@@ -140,6 +143,34 @@ impl Task for Llama2c {
             .forward(inputs, 0, &mut self.cache)?
             .flatten_to(1)?;
         cross_entropy(&logits, &targets.flatten_all()?)
+    }
+}
+
+/// Mistral (`mistral.rs`, sliding-window attention), the last position's logits. Its forward
+/// appends every call's keys and values to a cache inside the model: a training step must clear
+/// it first, or the next batch would attend to the previous batch's keys (and the cache would
+/// grow without end).
+struct Mistral {
+    model: mistral::Model,
+}
+
+impl Task for Mistral {
+    fn loss(&mut self, inputs: &Tensor, targets: &Tensor) -> candle_core::Result<Tensor> {
+        self.model.clear_kv_cache();
+        cross_entropy(&self.model.forward(inputs, 0)?.squeeze(1)?, targets)
+    }
+}
+
+/// Microsoft's Phi-3 (`phi3.rs`, fused qkv and gate-up projections), the last position's
+/// logits; its cache is cleared every step, as Mistral's.
+struct Phi3 {
+    model: phi3::Model,
+}
+
+impl Task for Phi3 {
+    fn loss(&mut self, inputs: &Tensor, targets: &Tensor) -> candle_core::Result<Tensor> {
+        self.model.clear_kv_cache();
+        cross_entropy(&self.model.forward(inputs, 0)?.squeeze(1)?, targets)
     }
 }
 
@@ -266,6 +297,32 @@ pub fn build(family: &str, vb: VarBuilder) -> candle_core::Result<Box<dyn Task>>
                     VarBuilder::from_tensors(Default::default(), dtype, &device),
                 )?,
                 model: llama2_c::Llama::load(vb, cfg)?,
+            })
+        }
+        "mistral" => {
+            // A window shorter than the sequence, so the sliding-window mask is exercised.
+            let cfg: mistral::Config = json(&format!(
+                r#"{{"vocab_size": {VOCAB}, "hidden_size": 32, "intermediate_size": 64,
+                    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                    "head_dim": null, "hidden_act": "silu", "max_position_embeddings": 64,
+                    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "sliding_window": 4,
+                    "use_flash_attn": false}}"#
+            ))?;
+            Box::new(Mistral {
+                model: mistral::Model::new(&cfg, vb)?,
+            })
+        }
+        "phi3" => {
+            let cfg: phi3::Config = json(&format!(
+                r#"{{"vocab_size": {VOCAB}, "hidden_act": "silu", "hidden_size": 32,
+                    "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                    "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+                    "bos_token_id": null, "eos_token_id": null, "rope_scaling": null,
+                    "max_position_embeddings": 64, "original_max_position_embeddings": null,
+                    "partial_rotary_factor": null, "tie_word_embeddings": false}}"#
+            ))?;
+            Box::new(Phi3 {
+                model: phi3::Model::new(&cfg, vb)?,
             })
         }
         other => candle_core::bail!("unknown model family `{other}`; one of {FAMILIES:?}"),
