@@ -41,7 +41,11 @@ fn init(varmap: &VarMap, rank: usize) -> candle_core::Result<()> {
     names.sort();
     for name in names {
         let v = &data[name];
-        v.set(&rng.randn(0.0, 0.5, v.shape(), v.device())?)?;
+        // In the variable's dtype: a launcher may make the weights 16-bit.
+        v.set(
+            &rng.randn(0.0, 0.5, v.shape(), v.device())?
+                .to_dtype(v.dtype())?,
+        )?;
     }
     Ok(())
 }
@@ -58,7 +62,10 @@ fn batches(count: usize) -> candle_core::Result<Vec<(Tensor, Tensor)>> {
 fn weights(varmap: &VarMap) -> candle_core::Result<BTreeMap<String, Vec<f32>>> {
     let data = varmap.data().lock().expect("varmap lock");
     data.iter()
-        .map(|(k, v)| Ok((k.clone(), v.as_tensor().flatten_all()?.to_vec1::<f32>()?)))
+        .map(|(k, v)| {
+            let t = v.as_tensor().to_dtype(DType::F32)?.flatten_all()?;
+            Ok((k.clone(), t.to_vec1::<f32>()?))
+        })
         .collect()
 }
 

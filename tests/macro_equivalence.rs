@@ -93,3 +93,45 @@ fn the_attribute_with_zero_2_trains_like_plain_candle_on_2_and_3_processes() {
         let _ = std::fs::remove_dir_all(&out);
     }
 }
+
+#[test]
+fn a_precision_from_the_launcher_reaches_an_attribute_without_one() {
+    // `#[accelerate(grad_accum = 2)]` has no `precision` key: `--mixed_precision fp16` on the
+    // command line makes its weights f16, and the attribute must still cast the batch.
+    let out = common::scratch("macro-launcher-fp16");
+    let out_arg = format!("out={}", out.display());
+    let o = std::process::Command::new(common::ivme_bin())
+        .args([
+            "launch",
+            "--num_processes",
+            "2",
+            "--cpu",
+            "--mixed_precision",
+            "fp16",
+        ])
+        .arg(common::example_bin("macro_check"))
+        .args(["mode=macro", "accum=2", "steps=8", &out_arg])
+        .output()
+        .expect("running ivme launch");
+    let (_, stderr) = common::text(&o);
+    assert!(
+        o.status.success(),
+        "fp16 from the launcher failed:\n{stderr}"
+    );
+    let read = |r: usize| -> BTreeMap<String, Vec<f32>> {
+        let bytes = std::fs::read(out.join(format!("rank{r}.json"))).expect("a report");
+        common::params(&serde_json::from_slice(&bytes).expect("JSON"))
+    };
+    let (a, b) = (read(0), read(1));
+    let _ = std::fs::remove_dir_all(&out);
+    assert_eq!(a, b, "the ranks differ");
+    assert!(
+        a.values().flatten().all(|v| v.is_finite()),
+        "non-finite weights: {a:?}"
+    );
+    // f16 weights, f32 masters, a loss scale that may skip the first step on overflow: the
+    // same training as the f32 run, not its numbers.
+    let f32_run = &run(2, "macro", 2, 8)[0];
+    let d = reference::max_diff(&a, f32_run);
+    assert!(d > 0.0 && d <= 0.25, "{d} from the f32 run");
+}
