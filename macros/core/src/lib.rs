@@ -104,7 +104,7 @@ fn commit_before_returning(body: &mut syn::Block, acc: &syn::Ident, sig: &syn::S
     let syn::ReturnType::Type(_, ret) = &sig.output else {
         return;
     };
-    if sig.asyncness.is_some() || quote!(#ret).to_string().contains("impl") {
+    if sig.asyncness.is_some() || mentions_impl_trait(ret) {
         return;
     }
     let stmts = std::mem::take(&mut body.stmts);
@@ -116,6 +116,21 @@ fn commit_before_returning(body: &mut syn::Block, acc: &syn::Ident, sig: &syn::S
         __ivme_trained
     }};
     body.stmts = wrapped.stmts;
+}
+
+/// Whether `ty` holds an `impl Trait` anywhere (`impl Future`, `Result<impl Iterator, E>`):
+/// such a type cannot be written on a closure. Read through syn, so a type merely named like
+/// one (`Simple`, `implementation::Out`) does not count.
+fn mentions_impl_trait(ty: &syn::Type) -> bool {
+    struct Finder(bool);
+    impl<'ast> syn::visit::Visit<'ast> for Finder {
+        fn visit_type_impl_trait(&mut self, _: &'ast syn::TypeImplTrait) {
+            self.0 = true;
+        }
+    }
+    let mut finder = Finder(false);
+    syn::visit::Visit::visit_type(&mut finder, ty);
+    finder.0
 }
 
 fn with_errors(error: syn::Error, item: TokenStream) -> TokenStream {
@@ -160,5 +175,33 @@ mod tests {
         assert_eq!(edit_distance("", "cpu"), 3);
         assert_eq!(edit_distance("kitten", "sitting"), 3);
         assert_eq!(edit_distance("same", "same"), 0);
+    }
+}
+
+#[cfg(test)]
+mod impl_trait_tests {
+    use super::mentions_impl_trait;
+
+    #[test]
+    fn only_a_real_impl_trait_counts() {
+        let ty = |t: &str| syn::parse_str::<syn::Type>(t).unwrap();
+        assert!(mentions_impl_trait(&ty("impl Iterator<Item = u8>")));
+        assert!(mentions_impl_trait(&ty("Result<impl Fn(), Error>")));
+        assert!(!mentions_impl_trait(&ty("Result<Simple, Error>")));
+        assert!(!mentions_impl_trait(&ty("implementation::Out")));
+    }
+
+    #[test]
+    fn a_return_type_named_like_impl_still_waits_for_the_last_save() {
+        let out = crate::expand(
+            quote::quote!(project_dir = "runs/a", async_checkpoints = true),
+            quote::quote!(
+                fn f() -> Result<Simple, ivme::Error> {
+                    Ok(Simple)
+                }
+            ),
+        )
+        .to_string();
+        assert!(out.contains("__ivme_trained"), "{out}");
     }
 }
