@@ -8,7 +8,8 @@
 //! launcher's), `precision=no|bf16|fp16`, `save_at=K dir=DIR` (save the state after micro-step
 //! K), `resume=DIR` (load it first), `model_out=DIR` (`save_model` at the end), `out=DIR`,
 //! `ema=1` (a moving average of the inputs, `ema.seen`, kept in the model's `VarMap` and never
-//! declared a buffer: ivme must find it).
+//! declared a buffer: ivme must find it), `dropout=P` (dropout before the last layer, its masks
+//! from `set_seed(7, true)`'s generator: each rank its own stream, saved with the state).
 
 #[path = "support/cnn.rs"]
 mod cnn;
@@ -59,9 +60,16 @@ fn main() -> ivme::Result<()> {
     let mut acc = builder.build()?;
     let (rank, world) = (acc.process_index(), acc.num_processes());
 
+    let p: f32 = args
+        .get("dropout")
+        .map_or(0.0, |v| v.parse().expect("a probability"));
+    let dropout = (p > 0.0).then(|| {
+        acc.set_seed(7, true);
+        (p, acc.rng())
+    });
     let varmap = VarMap::new();
     let vb = acc.var_builder(&varmap, DType::F32);
-    let model = cnn::Cnn::new(vb.clone())?;
+    let model = cnn::Cnn::new(vb.clone(), dropout)?;
     // Each rank starts from weights of its own: preparing must give every rank rank 0's.
     cnn::init(&varmap, 1 + 1000 * rank as u64)?;
     // Made after the weights are set, so it starts at 0.

@@ -1,5 +1,6 @@
 //! Buffers (BatchNorm's running statistics) on real processes, against plain candle: the conv
-//! net of examples/support/cnn.rs trained on 2 and 3 ranks, without sharding and under ZeRO
+//! net of examples/support/cnn.rs (with dropout, each rank its own masks) trained on 2 and 3
+//! ranks, without sharding and under ZeRO
 //! stages 1 and 2, in each `buffers` mode. The reference simulates the ranks in one process:
 //! each rank's micro-batches through its own copy of the statistics, gradients summed and
 //! averaged, candle-nn's AdamW, and the statistics taken as the mode says at every step.
@@ -12,6 +13,8 @@ mod cnn;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, ModuleT, Tensor};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap};
+use ivme::rng::{mix, Rng};
+use ivme::stateful::Shared;
 use serde_json::Value;
 use std::collections::BTreeMap;
 
@@ -21,6 +24,9 @@ const BATCH: usize = 4;
 const ACCUM: usize = 2;
 const STEPS: usize = 8; // micro-steps: 4 optimizer steps
 const LR: f64 = 0.01;
+const DROPOUT: f32 = 0.2;
+/// The seed of the subject's `set_seed(SEED, true)`: rank r's masks come from stream r.
+const SEED: u64 = 7;
 
 fn is_statistic(name: &str) -> bool {
     name.ends_with("running_mean") || name.ends_with("running_var")
@@ -47,7 +53,13 @@ fn set_statistics(varmap: &VarMap, values: &Values) {
 /// final variables and the eval-mode outputs on the samples the subject evaluates.
 fn reference(world: usize, mode: &str) -> (Values, Vec<f32>) {
     let varmap = VarMap::new();
-    let model = cnn::Cnn::new(VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu)).unwrap();
+    // One model for every simulated rank; each rank's dropout generator is swapped in.
+    let masks = Shared::new(Rng::new(0));
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    let model = cnn::Cnn::new(vb, Some((DROPOUT, masks.clone()))).unwrap();
+    let mut streams: Vec<_> = (0..world)
+        .map(|r| Rng::new(mix(SEED, r as u64)).state())
+        .collect();
     cnn::init(&varmap, 1).unwrap(); // rank 0's weights
     let params = ParamsAdamW {
         lr: LR,
@@ -60,6 +72,7 @@ fn reference(world: usize, mode: &str) -> (Values, Vec<f32>) {
         let mut total: Option<GradStore> = None;
         for r in 0..world {
             set_statistics(&varmap, &start);
+            *masks.lock() = Rng::from_state(streams[r]);
             let mut mine: Option<GradStore> = None;
             for j in 0..ACCUM {
                 let k = step * ACCUM + j;
@@ -69,6 +82,7 @@ fn reference(world: usize, mode: &str) -> (Values, Vec<f32>) {
                 let g = loss.backward().unwrap();
                 mine = Some(add(mine, g, &varmap));
             }
+            streams[r] = masks.lock().state();
             ends.push(statistics(&cnn::values(&varmap).unwrap()));
             total = Some(add(total, mine.unwrap(), &varmap));
         }
@@ -133,7 +147,14 @@ fn run(n: usize, extra: &[&str], tag: &str) -> Vec<Value> {
     let batch = format!("batch={BATCH}");
     let accum = format!("accum={ACCUM}");
     let lr = format!("lr={LR}");
-    let mut args = vec![steps.as_str(), batch.as_str(), accum.as_str(), lr.as_str()];
+    let dropout = format!("dropout={DROPOUT}");
+    let mut args = vec![
+        steps.as_str(),
+        batch.as_str(),
+        accum.as_str(),
+        lr.as_str(),
+        dropout.as_str(),
+    ];
     args.extend_from_slice(extra);
     common::reports(n, "bn_harness", &args, tag)
 }
@@ -325,8 +346,11 @@ fn a_resume_continues_bit_for_bit_and_the_saved_model_evaluates_as_the_reference
         }
         // The saved model in plain candle: eval mode reads the saved statistics.
         let mut varmap = VarMap::new();
-        let net =
-            cnn::Cnn::new(VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu)).unwrap();
+        let net = cnn::Cnn::new(
+            VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu),
+            None,
+        )
+        .unwrap();
         let file = model.join("model.safetensors");
         varmap.load(&file).unwrap();
         let (x, _) = cnn::images(10_000, 6).unwrap();

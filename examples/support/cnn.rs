@@ -1,5 +1,5 @@
 //! A small conv net with BatchNorm (conv → batch norm → ReLU → pooling → linear → batch norm
-//! → ReLU → linear), its deterministic weights and data: what `bn_harness` trains through
+//! → ReLU → dropout → linear), its deterministic weights and data: what `bn_harness` trains through
 //! ivme and what tests/buffers.rs trains in plain candle as the reference.
 
 #![allow(dead_code)]
@@ -8,6 +8,8 @@ use candle_core::{DType, Device, Module, ModuleT, Result, Tensor};
 use candle_nn::{batch_norm, conv2d_no_bias, linear, linear_no_bias, BatchNorm, Conv2d};
 use candle_nn::{Conv2dConfig, Linear};
 use candle_nn::{VarBuilder, VarMap};
+use ivme::rng::Rng;
+use ivme::stateful::Shared;
 
 /// Side of the square one-channel images.
 pub const SIDE: usize = 8;
@@ -19,11 +21,13 @@ pub struct Cnn {
     fc1: Linear,
     bn2: BatchNorm,
     fc2: Linear,
+    /// Dropout in training mode: its probability and the generator its masks come from.
+    dropout: Option<(f32, Shared<Rng>)>,
 }
 
 impl Cnn {
-    /// Builds the net's variables through `vb`.
-    pub fn new(vb: VarBuilder) -> Result<Self> {
+    /// Builds the net's variables through `vb`, with dropout drawn from `dropout`'s generator.
+    pub fn new(vb: VarBuilder, dropout: Option<(f32, Shared<Rng>)>) -> Result<Self> {
         let cfg = Conv2dConfig {
             padding: 1,
             ..Default::default()
@@ -36,6 +40,7 @@ impl Cnn {
             fc1: linear_no_bias(4 * (SIDE / 2) * (SIDE / 2), 8, vb.pp("fc1"))?,
             bn2: batch_norm(8, 1e-5, vb.pp("bn2"))?,
             fc2: linear(8, 1, vb.pp("fc2"))?,
+            dropout,
         })
     }
 }
@@ -44,7 +49,10 @@ impl ModuleT for Cnn {
     fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
         let h = self.bn1.forward_t(&self.conv.forward(x)?, train)?.relu()?;
         let h = h.avg_pool2d(2)?.flatten_from(1)?;
-        let h = self.bn2.forward_t(&self.fc1.forward(&h)?, train)?.relu()?;
+        let mut h = self.bn2.forward_t(&self.fc1.forward(&h)?, train)?.relu()?;
+        if let (true, Some((p, rng))) = (train, &self.dropout) {
+            h = rng.lock().dropout(&h, *p)?;
+        }
         self.fc2.forward(&h)
     }
 }
