@@ -70,9 +70,9 @@ fn reference(world: usize, mode: &str) -> (Values, Vec<f32>) {
         let start = statistics(&cnn::values(&varmap).unwrap());
         let mut ends = Vec::new();
         let mut total: Option<GradStore> = None;
-        for r in 0..world {
+        for (r, stream) in streams.iter_mut().enumerate() {
             set_statistics(&varmap, &start);
-            *masks.lock() = Rng::from_state(streams[r]);
+            *masks.lock() = Rng::from_state(*stream);
             let mut mine: Option<GradStore> = None;
             for j in 0..ACCUM {
                 let k = step * ACCUM + j;
@@ -82,7 +82,7 @@ fn reference(world: usize, mode: &str) -> (Values, Vec<f32>) {
                 let g = loss.backward().unwrap();
                 mine = Some(add(mine, g, &varmap));
             }
-            streams[r] = masks.lock().state();
+            *stream = masks.lock().state();
             ends.push(statistics(&cnn::values(&varmap).unwrap()));
             total = Some(add(total, mine.unwrap(), &varmap));
         }
