@@ -16,7 +16,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rm -rf gpu-bin gpu-bin.tar.gz && mkdir -p gpu-bin/nccl gpu-bin/lib
-cargo build --release -p ivme --bin ivme
+cargo build --release -p ivme-cli --bin ivme
 cp target/release/ivme gpu-bin/
 bash scripts/setup-cuda.sh >/dev/null
 # shellcheck disable=SC1091

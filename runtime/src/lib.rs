@@ -75,3 +75,19 @@ pub use error::{Error, Result};
 pub use grads::Gradients;
 pub use ivme_macros::accelerate;
 pub use prepare::Prepare;
+
+/// What this build of the library was made with, for bug reports (`ivme env` prints it).
+pub mod build {
+    /// The library's version.
+    pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+    /// The rustc that compiled the library.
+    pub const RUSTC: &str = env!("IVME_BUILD_RUSTC");
+    /// The candle version the library was built against.
+    pub const CANDLE: &str = env!("IVME_BUILD_CANDLE");
+    /// The library's optional backends, each with whether this build has it.
+    pub const FEATURES: &[(&str, bool)] = &[
+        ("mpi", cfg!(feature = "mpi")),
+        ("cuda", cfg!(feature = "cuda")),
+        ("metal", cfg!(feature = "metal")),
+    ];
+}

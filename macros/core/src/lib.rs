@@ -4,6 +4,7 @@
 
 mod config;
 pub use config::PRECISIONS;
+pub use values::BUFFER_MODES;
 mod errors;
 mod rewrite;
 mod signature;

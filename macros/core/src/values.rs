@@ -82,7 +82,7 @@ pub(crate) fn precision(value: &Expr) -> syn::Result<&'static str> {
 }
 
 /// The ways `buffers = ".."` may be spelled (`ivme::BufferSync` reads the same words).
-pub(crate) const BUFFER_MODES: &[&str] = &["broadcast", "average", "local"];
+pub const BUFFER_MODES: &[&str] = &["broadcast", "average", "local"];
 
 /// How buffers agree across processes: one of [`BUFFER_MODES`].
 pub(crate) fn buffer_mode(value: &Expr) -> syn::Result<&'static str> {

@@ -437,4 +437,10 @@ mod tests {
         assert_eq!(read(&["--max_restarts=0"]).unwrap().max_restarts, Some(0));
         assert_eq!(read(&[]).unwrap().max_restarts, None);
     }
+
+    #[test]
+    fn the_library_and_the_attribute_spell_precisions_and_buffer_modes_alike() {
+        assert_eq!(Precision::VALID, ivme_macros_core::PRECISIONS);
+        assert_eq!(BufferSync::VALID, ivme_macros_core::BUFFER_MODES);
+    }
 }

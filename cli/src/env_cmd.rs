@@ -85,11 +85,7 @@ fn gpus(get: &impl Fn(&str) -> Option<String>) -> Vec<String> {
 }
 
 fn features() -> String {
-    let all = [
-        ("mpi", cfg!(feature = "mpi")),
-        ("cuda", cfg!(feature = "cuda")),
-        ("metal", cfg!(feature = "metal")),
-    ];
+    let all = ivme::build::FEATURES;
     let on: Vec<&str> = all.iter().filter(|(_, b)| *b).map(|(n, _)| *n).collect();
     let off: Vec<&str> = all.iter().filter(|(_, b)| !*b).map(|(n, _)| *n).collect();
     format!(
@@ -148,9 +144,9 @@ pub fn report(location: &Location, get: impl Fn(&str) -> Option<String>) -> Stri
          - GPUs: {gpu_text}\n\
          - features: {}\n\
          - config: {}\n",
-        env!("CARGO_PKG_VERSION"),
-        env!("IVME_BUILD_CANDLE"),
-        env!("IVME_BUILD_RUSTC"),
+        ivme::build::VERSION,
+        ivme::build::CANDLE,
+        ivme::build::RUSTC,
         mpi(&get),
         os(),
         process::cores(),
