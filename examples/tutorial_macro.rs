@@ -8,7 +8,7 @@
 //! `#[accelerate]` makes the loop data-parallel (each process takes its share of `batches`),
 //! sums gradients over 2 micro-batches per optimizer step, computes in fp16 with loss scaling,
 //! and places everything on this process's device. `cargo expand --example tutorial_macro`
-//! shows the calls it writes (also in docs/macro.md).
+//! shows the calls it writes (also in macros/macro.md).
 
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{linear, Linear, Optimizer, VarBuilder, VarMap};

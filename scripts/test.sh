@@ -10,3 +10,12 @@ cargo test --workspace
 # The house rules: formatted, and no clippy warning anywhere (tests and examples included).
 cargo fmt --all --check
 cargo clippy --workspace --all-targets -- -D warnings
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --quiet
+# Only the facade's folder adds methods to the Accelerator: the parts below it receive what
+# they need and never call back up (docs/ARCHITECTURE.md).
+if grep -rlnE "impl(<[^>]*>)? ([A-Za-z:]+ for )?Accelerator\b" runtime/src | grep -v '^runtime/src/accelerator/'; then
+  echo "test.sh: the files above write impl Accelerator outside runtime/src/accelerator/" >&2
+  exit 1
+fi
+# The published crates package (metadata, files inside each package, versioned dependencies).
+cargo package -p ivme-macros-core -p ivme-macros -p ivme -p ivme-cli --no-verify --allow-dirty --quiet

@@ -3,7 +3,7 @@
 //! the previous checkpoint as the one the next run resumes from, and a failed background write
 //! (a real `EFBIG` on one rank) is an error on every rank at the next call, never a hang.
 //!
-//! The subject is `examples/ckpt_async.rs` (see its docs). Every run is bounded in time and
+//! The subject is `examples/subjects/ckpt_async.rs` (see its docs). Every run is bounded in time and
 //! started in its own process group, which is killed whole if it is late.
 //! Needs `cargo build --workspace --bins --examples` first.
 

@@ -1,4 +1,4 @@
-//! A saver process (`examples/ckpt_crash.rs`) is SIGKILLed at many moments of a save: before,
+//! A saver process (`examples/subjects/ckpt_crash.rs`) is SIGKILLed at many moments of a save: before,
 //! while the ranks write, inside the commit, during rotation and at plain time offsets. After
 //! every kill the newest valid checkpoint must be complete and hold exactly its own number's
 //! content, every committed folder must verify, cleanup must remove the leftovers, and the

@@ -1,6 +1,6 @@
 //! Checkpoints never lie: two jobs saving into one folder, a full disk, a FIFO in a checkpoint,
 //! and the Hugging Face hub-cache layout of model files. The processes are
-//! `examples/ckpt_faults.rs` (see its docs); every one is bounded in time and killed if late.
+//! `examples/subjects/ckpt_faults.rs` (see its docs); every one is bounded in time and killed if late.
 //!
 //! Needs `cargo build --workspace --bins --examples` first.
 

@@ -19,14 +19,14 @@ fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
 }
 
-/// The ```rust block of docs/macro.md's "The expansion of the main example" section, which the
+/// The ```rust block of macros/macro.md's "The expansion of the main example" section, which the
 /// snapshot tests keep equal to what the compiler's attribute writes.
 fn documented_expansion() -> String {
-    let docs = std::fs::read_to_string(root().join("docs/macro.md")).unwrap();
+    let docs = std::fs::read_to_string(root().join("macros/macro.md")).unwrap();
     let section = docs
         .split("# The expansion of the main example")
         .nth(1)
-        .expect("docs/macro.md has the section");
+        .expect("macros/macro.md has the section");
     let block = section.split("```rust,ignore\n").nth(1).unwrap();
     block.split("\n```").next().unwrap().to_string()
 }

@@ -1,5 +1,5 @@
 //! A failing rank ends the whole job in seconds, loudly, with nothing left running: real
-//! processes through `ivme launch`, one failure injected by `examples/faults.rs`.
+//! processes through `ivme launch`, one failure injected by `examples/subjects/faults.rs`.
 //!
 //! Each case runs on 2 and 3 ranks, with rank 0 and the last rank failing. The bound on a
 //! job's time is a hang guard (the job is killed past it), not a speed measurement.

@@ -1,7 +1,7 @@
 //! `ivme expand FILE [FUNCTION]`: prints what `#[accelerate]` writes for the functions of a
 //! source file, in milliseconds and without compiling anything.
 //!
-//! The attribute's rewrites are syntactic (docs/macro.md), so running the attribute's own
+//! The attribute's rewrites are syntactic (macros/macro.md), so running the attribute's own
 //! expansion (`ivme-macros-core`, the code the compiler runs) over the parsed file gives
 //! exactly what `cargo expand` shows for those functions, without rebuilding every dependency.
 //! Mistakes are reported as the compiler would, with the file, line and column of each.
@@ -16,7 +16,7 @@ use std::path::Path;
 /// The subcommand's name.
 pub const COMMAND: &str = "expand";
 
-/// Print what #[accelerate] writes for a source file's functions, without compiling.
+/// Print what `#[accelerate]` writes for a source file's functions, without compiling.
 #[derive(Parser, Debug)]
 #[command(
     after_help = "The same rewriting the compiler runs. Mistakes in the attribute are \

@@ -60,7 +60,7 @@ enum Commands {
     /// check that training works end to end on the configured processes
     #[command(name = selftest::COMMAND)]
     Test(Words),
-    /// print what #[accelerate] writes for a source file's functions, without compiling
+    /// print what `#[accelerate]` writes for a source file's functions, without compiling
     #[command(name = expand::COMMAND)]
     Expand(Words),
     /// write a training checkpoint's weights (any layout) as a Hugging Face model folder

@@ -3,10 +3,10 @@
 //! mixed precision) by rewriting its body into the runtime calls a user could write by hand.
 //!
 //! Use it through the runtime crate as `ivme::accelerate`; the rules are documented on the
-//! attribute itself and in `docs/macro.md`. The rewriting lives in `ivme-macros-core`, which
+//! attribute itself and in `macros/macro.md`. The rewriting lives in `ivme-macros-core`, which
 //! `ivme expand` shares.
 
-#[doc = include_str!("../../docs/macro.md")]
+#[doc = include_str!("../macro.md")]
 #[proc_macro_attribute]
 pub fn accelerate(
     attr: proc_macro::TokenStream,

@@ -59,6 +59,8 @@ pub enum Error {
         path: PathBuf,
         /// What is wrong and what to do.
         msg: String,
+        /// Which kind of problem it is, for callers that branch on it.
+        kind: CheckpointErrorKind,
     },
 
     /// A JSON document could not be read or written.
@@ -70,11 +72,45 @@ pub enum Error {
     Usage(String),
 }
 
+/// The kind of an [`Error::Checkpoint`]: what a caller can do about it.
+///
+/// ```no_run
+/// use ivme::CheckpointErrorKind;
+/// # fn main() -> ivme::Result<()> {
+/// # let mut accelerator = ivme::Accelerator::new()?;
+/// # accelerator.set_project_configuration(ivme::checkpoint::ProjectConfiguration::new("run"))?;
+/// match accelerator.load_state(None) {
+///     Ok(dir) => accelerator.print(format!("resumed from {}", dir.display())),
+///     // No checkpoint yet: start fresh. A damaged or unfit one stays an error.
+///     Err(e) if e.checkpoint_kind() == Some(CheckpointErrorKind::Missing) => {}
+///     Err(e) => return Err(e),
+/// }
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum CheckpointErrorKind {
+    /// There is no checkpoint where one was asked for: no such folder, or a project folder
+    /// without a complete checkpoint.
+    Missing,
+    /// A checkpoint is there but cannot be trusted: a file is missing, truncated, not a
+    /// regular file or fails its checksum, or the manifest cannot be read. An older
+    /// checkpoint may stand in for it.
+    Damaged,
+    /// A sound checkpoint that does not fit this run: other models, optimizers, shapes,
+    /// dtypes or settings. Loading it would be wrong whichever checkpoint it is.
+    Unfit,
+    /// Another job holds the project folder's lock.
+    Locked,
+    /// Writing, copying or committing a checkpoint failed.
+    Failed,
+}
+
 /// A dtype error that the process's bf16/fp16 precision caused becomes a [`Error::Precision`]
 /// that says what happened and what to do; every other candle error is [`Error::Candle`].
 impl From<candle_core::Error> for Error {
     fn from(e: candle_core::Error) -> Self {
-        crate::model_dtype::explain(e)
+        crate::precision::model_dtype::explain(e)
     }
 }
 
@@ -90,6 +126,27 @@ impl Error {
         Error::Io {
             context: context.into(),
             source,
+        }
+    }
+
+    /// Builds a checkpoint error of `kind` about `path`.
+    pub fn checkpoint(
+        path: impl Into<PathBuf>,
+        kind: CheckpointErrorKind,
+        msg: impl Into<String>,
+    ) -> Self {
+        Error::Checkpoint {
+            path: path.into(),
+            msg: msg.into(),
+            kind,
+        }
+    }
+
+    /// The kind of a checkpoint error (`None` for every other error).
+    pub fn checkpoint_kind(&self) -> Option<CheckpointErrorKind> {
+        match self {
+            Error::Checkpoint { kind, .. } => Some(*kind),
+            _ => None,
         }
     }
 

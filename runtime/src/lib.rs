@@ -32,49 +32,40 @@
 
 #![warn(missing_docs)]
 
+/// Reports a warning of ivme's own (see `observe::logging::warn`): `warn_user!("...", args)`,
+/// the text without the `ivme: ` prefix.
+macro_rules! warn_user {
+    ($($arg:tt)*) => {
+        $crate::observe::logging::warn(format_args!($($arg)*))
+    };
+}
+
 pub mod accelerator;
-pub mod autocast;
-mod bucket;
-mod buffers;
-mod builder;
 pub mod checkpoint;
 pub mod comm;
-pub mod config;
 pub mod data;
-pub mod env;
 pub mod error;
-mod exact_init;
-pub mod grads;
-pub mod logging;
-pub mod memory;
-pub mod metrics;
-mod model_dtype;
-mod model_files;
+mod observe;
 pub mod optim;
 mod precision;
-pub mod prepare;
-pub mod progress;
-mod register;
-mod resume;
 pub mod rng;
-pub mod scaler;
-mod shard;
-pub mod state;
+mod setup;
 pub mod stateful;
-mod sync;
-pub mod tracking;
-mod training;
-mod window;
+mod train;
 
 #[doc(hidden)]
 pub mod macro_support;
 
 pub use accelerator::{Accelerator, AcceleratorBuilder};
 pub use config::{BufferSync, Precision, Sharding};
-pub use error::{Error, Result};
-pub use grads::Gradients;
+pub use error::{CheckpointErrorKind, Error, Result};
+pub use train::grads::{self, Gradients};
+// Public paths from before the parts had folders of their own.
+pub use accelerator::prepare::{self, Prepare};
 pub use ivme_macros::accelerate;
-pub use prepare::Prepare;
+pub use observe::{logging, memory, metrics, progress, tracking};
+pub use precision::{autocast, scaler};
+pub use setup::{config, env, state};
 
 /// What this build of the library was made with, for bug reports (`ivme env` prints it).
 pub mod build {

@@ -3,6 +3,7 @@
 use crate::accelerator::Accelerator;
 use crate::data::sampler::plan_epoch;
 use crate::data::{Batches, Dataset, StepObserver};
+pub use crate::data::{LoopCursor, LoopPosition};
 use crate::error::Result;
 use candle_core::{Device, Tensor};
 
@@ -54,93 +55,6 @@ pub trait ShardSource {
     fn shard(self, accelerator: &Accelerator) -> Result<Self::Iter>;
 }
 
-/// Where the attribute's batch loops over plain collections stand, saved with the training
-/// state so a resumed run continues mid-epoch like a `DataLoader` does.
-///
-/// Each time a sharded loop starts is one *pass* (an epoch, in the usual loop): the cursor
-/// counts the passes begun and the batches the current one has handed out. After a load, the
-/// passes the checkpoint had finished come back empty (the user's epoch loop runs through them
-/// without training) and the one it was in resumes at the next batch.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct LoopPosition {
-    /// The pass in progress (0 for the first), or the next to begin between passes.
-    pub pass: u64,
-    /// Batches of that pass already handed out on this rank.
-    pub next: usize,
-    /// Batches at the start of the pass that a run on another number of processes had
-    /// already used; this rank's share splits the rest. Zero except after such a resume.
-    #[serde(default)]
-    pub skip: usize,
-    /// Batches of the pass used by all ranks together, up to this position.
-    #[serde(default)]
-    pub done: usize,
-}
-
-impl LoopPosition {
-    /// The position a run on another number of processes resumes from: the same pass, with
-    /// the batches this position had used skipped. A mid-pass position written before
-    /// positions counted every rank's batches is refused.
-    pub fn for_new_world(&self) -> Result<LoopPosition> {
-        if self.next > 0 && self.done == 0 {
-            return Err(crate::Error::Usage(
-                "the saved position of the attribute's batch loop does not say how many \
-                 batches all ranks had used (it was written by an older ivme), so it cannot be \
-                 moved to another number of processes; resume on the number that saved it"
-                    .into(),
-            ));
-        }
-        Ok(LoopPosition {
-            pass: self.pass,
-            next: 0,
-            skip: self.done,
-            done: self.done,
-        })
-    }
-}
-
-/// The live cursor behind [`LoopPosition`].
-#[derive(Debug, Default)]
-pub struct LoopCursor {
-    position: LoopPosition,
-    begun: u64,
-    resume: Option<LoopPosition>,
-}
-
-impl LoopCursor {
-    /// The position to save.
-    pub fn position(&self) -> LoopPosition {
-        self.position
-    }
-
-    /// Continues from `p` (a loaded checkpoint's position) at the next passes this process
-    /// begins.
-    pub fn resume_from(&mut self, p: LoopPosition) {
-        self.position = p;
-        self.resume = Some(p);
-    }
-
-    /// Begins a pass: `None` for a pass the loaded checkpoint had finished, else where to
-    /// start (`skip` and `next` of the position).
-    fn begin(&mut self) -> Option<(usize, usize)> {
-        let pass = self.begun;
-        self.begun += 1;
-        match self.resume {
-            Some(r) if pass < r.pass => return None,
-            Some(r) if pass == r.pass => {
-                self.resume = None;
-                self.position = r;
-                return Some((r.skip, r.next));
-            }
-            _ => self.resume = None,
-        }
-        self.position = LoopPosition {
-            pass,
-            ..LoopPosition::default()
-        };
-        Some((0, 0))
-    }
-}
-
 /// One pass of a sharded loop: this rank's batch indices, reported to the gradient state (so
 /// accumulation windows follow the data) and to the loop cursor (so a save records them).
 struct Pass {
@@ -154,7 +68,7 @@ struct Pass {
     world: usize,
     // false for a pass a loaded checkpoint had finished: it hands out nothing, records nothing
     live: bool,
-    observer: std::sync::Arc<crate::grads::GradientState>,
+    observer: std::sync::Arc<crate::train::grads::GradientState>,
     cursor: crate::stateful::Shared<LoopCursor>,
 }
 
@@ -185,11 +99,7 @@ impl Pass {
         let len = self.indices.len();
         if self.next >= len {
             if std::mem::replace(&mut self.live, false) {
-                let mut c = self.cursor.lock();
-                c.position = LoopPosition {
-                    pass: c.position.pass + 1,
-                    ..LoopPosition::default()
-                };
+                self.cursor.lock().end_pass();
             }
             return None;
         }
@@ -198,8 +108,7 @@ impl Pass {
             .on_batch(k, len, self.padding.get(k).copied().unwrap_or(0));
         self.next += 1;
         let done = (self.skip + self.next * self.world).min(self.total);
-        let mut c = self.cursor.lock();
-        (c.position.next, c.position.done) = (self.next, done);
+        self.cursor.lock().handed_out(self.next, done);
         Some(self.indices[k])
     }
 }

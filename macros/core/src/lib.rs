@@ -1,5 +1,5 @@
 //! The expansion of `#[accelerate(...)]` over `proc_macro2` tokens: the rewrite rules of
-//! `docs/macro.md`, shared by the attribute (the `ivme-macros` crate) and by `ivme expand`,
+//! `macros/macro.md`, shared by the attribute (the `ivme-macros` crate) and by `ivme expand`,
 //! which prints what the attribute writes without compiling anything.
 
 mod config;

@@ -1,5 +1,5 @@
 //! The body rewrites: a syntactic pass over the function body that swaps candle calls for
-//! the runtime calls a user would write by hand. Each rule is listed in `docs/macro.md`.
+//! the runtime calls a user would write by hand. Each rule is listed in `macros/macro.md`.
 //!
 //! Nested items (`fn`, `impl`, `mod`) and macro invocations' token bodies are left alone:
 //! the macro cannot know what they mean, and a nested `fn` has no accelerator in scope.

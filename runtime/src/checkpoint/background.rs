@@ -5,7 +5,7 @@
 //! Why split it this way: the communicator is not thread-safe and numbers its collectives, so
 //! every collective of a save stays on the caller's thread, in the same order on every rank:
 //!
-//! 1. [`Accelerator::save_state_async`] (caller): finishes the previous background save, then
+//! 1. [`Accelerator::save_state_async`](crate::Accelerator::save_state_async) (caller): finishes the previous background save, then
 //!    the ranks agree on the folder exactly as a blocking save does (the main process takes
 //!    the lock, recovers crashed saves, names the checkpoint and claims its temporary
 //!    folder), every rank copies its state into host buffers ([`HostBuffers`], kept from
@@ -13,7 +13,7 @@
 //!    checkpoint will be committed to.
 //! 2. Background thread (one per save, no collectives): `write_rank` into the temporary
 //!    folder: every file written, checksummed and fsynced, then the rank's index.
-//! 3. Wait point (caller, every rank): the next save, [`Accelerator::wait_for_checkpoint`],
+//! 3. Wait point (caller, every rank): the next save, [`Accelerator::wait_for_checkpoint`](crate::Accelerator::wait_for_checkpoint),
 //!    `load_state` / `load_state_if_any`, or dropping the Accelerator. The thread is joined;
 //!    the ranks agree that every rank's write succeeded; the main process commits (manifest
 //!    written last, rename, parent fsync, rotation) and the ranks agree on that. A failure on
@@ -24,19 +24,18 @@
 //! temporary folder as it removes any crashed save's.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::thread::JoinHandle;
 
 use candle_core::{Device, Tensor, Var};
 
 use super::store::{self, ManifestMeta, RankState};
-use crate::accelerator::Accelerator;
-use crate::error::{Error, Result};
+use crate::error::{CheckpointErrorKind, Error, Result};
 
 /// A save whose files a background thread is writing; committed at the next wait point.
 #[derive(Debug)]
 pub(crate) struct PendingSave {
-    target: PathBuf,
+    pub(crate) target: PathBuf,
     tmp: PathBuf,
     meta: ManifestMeta,
     writer: JoinHandle<Result<()>>,
@@ -44,7 +43,7 @@ pub(crate) struct PendingSave {
 
 impl PendingSave {
     /// Starts the thread that writes `state` as `rank`'s files into `tmp`.
-    fn spawn(
+    pub(crate) fn spawn(
         target: PathBuf,
         tmp: PathBuf,
         meta: ManifestMeta,
@@ -68,17 +67,18 @@ impl PendingSave {
     }
 
     /// Waits for the thread; a panic in it is an error like any failed write.
-    fn join(self) -> (PathBuf, PathBuf, ManifestMeta, Result<()>) {
+    pub(crate) fn join(self) -> (PathBuf, PathBuf, ManifestMeta, Result<()>) {
         let wrote = self.writer.join().unwrap_or_else(|panic| {
             let msg = panic
                 .downcast_ref::<String>()
                 .map(String::as_str)
                 .or_else(|| panic.downcast_ref::<&str>().copied())
                 .unwrap_or("(no message)");
-            Err(Error::Checkpoint {
-                path: self.tmp.clone(),
-                msg: format!("the background writer panicked: {msg}"),
-            })
+            Err(Error::checkpoint(
+                &self.tmp,
+                CheckpointErrorKind::Failed,
+                format!("the background writer panicked: {msg}"),
+            ))
         });
         (self.target, self.tmp, self.meta, wrote)
     }
@@ -86,7 +86,7 @@ impl PendingSave {
 
 /// Test hook (debug builds only): `IVME_ASYNC_WRITE_DELAY_MS=n` holds every background write
 /// back `n` ms, so a test can be sure training changed the live state before it is written.
-fn test_delay() {
+pub(crate) fn test_delay() {
     #[cfg(debug_assertions)]
     if let Some(ms) = std::env::var("IVME_ASYNC_WRITE_DELAY_MS")
         .ok()
@@ -102,8 +102,10 @@ fn test_delay() {
 pub(crate) struct BackgroundSaves {
     /// `save_state` saves in the background (the builder's `async_checkpoints`).
     pub(crate) by_default: bool,
-    pending: Option<PendingSave>,
-    buffers: HostBuffers,
+    /// The save being written, if any.
+    pub(crate) pending: Option<PendingSave>,
+    /// Where the next snapshot is copied.
+    pub(crate) buffers: HostBuffers,
 }
 
 impl BackgroundSaves {
@@ -127,7 +129,7 @@ pub struct HostBuffers {
 }
 
 /// One tensor to copy: its place in the state, the source, and a buffer that fits, if kept.
-struct Job {
+pub(crate) struct Job {
     at: (usize, usize),
     key: (String, String),
     src: Tensor,
@@ -210,7 +212,7 @@ impl HostBuffers {
 }
 
 /// Runs the copies, spread over the cores by size; returns each job with its filled buffer.
-fn copy_all(jobs: Vec<Job>) -> Result<Vec<(Job, Var)>> {
+pub(crate) fn copy_all(jobs: Vec<Job>) -> Result<Vec<(Job, Var)>> {
     let one = |job: Job| -> Result<(Job, Var)> {
         let buf = match &job.buf {
             Some(b) => {
@@ -251,9 +253,12 @@ fn copy_all(jobs: Vec<Job>) -> Result<Vec<(Job, Var)>> {
             .collect();
         let mut done = Vec::new();
         for r in running {
-            let group = r.join().map_err(|_| Error::Checkpoint {
-                path: PathBuf::new(),
-                msg: "a thread copying the state panicked".into(),
+            let group = r.join().map_err(|_| {
+                Error::checkpoint(
+                    PathBuf::new(),
+                    CheckpointErrorKind::Failed,
+                    "a thread copying the state panicked",
+                )
             })?;
             for item in group {
                 done.push(item?);
@@ -269,132 +274,11 @@ pub fn copy_to_host(state: RankState) -> Result<RankState> {
     HostBuffers::new().copy(state)
 }
 
-impl Accelerator {
-    /// Starts saving the whole training state to `dir` (or, with `None`, to the next
-    /// automatically named checkpoint) and returns as soon as the state is copied into host
-    /// memory; a background thread writes and fsyncs the files. Returns the folder the
-    /// checkpoint will be committed to. Every rank must call it.
-    ///
-    /// The checkpoint is committed (with the crash-safe protocol of
-    /// [`save_state`](Self::save_state)) at the next wait point on every rank: the next save,
-    /// [`wait_for_checkpoint`](Self::wait_for_checkpoint), `load_state`, `load_state_if_any`,
-    /// or dropping the Accelerator. An error in the background (a full disk, say) is returned
-    /// there, on every rank. Until then a crash leaves the previous checkpoints as they were.
-    /// Only one save runs in the background: starting a second one first finishes the first.
-    ///
-    /// ```no_run
-    /// # fn main() -> ivme::Result<()> {
-    /// let mut accelerator = ivme::Accelerator::builder().project_dir("runs/demo").build()?;
-    /// // ... prepare the model, optimizer and loaders, train a while ...
-    /// let dir = accelerator.save_state_async(None)?; // back as soon as the copy is made
-    /// // ... training goes on while the files are written ...
-    /// accelerator.wait_for_checkpoint()?; // `dir` is committed now, or this is the error
-    /// # let _ = dir; Ok(()) }
-    /// ```
-    pub fn save_state_async(&mut self, dir: Option<&Path>) -> Result<PathBuf> {
-        self.wait_for_checkpoint()?;
-        let (target, tmp) = self.start_save(dir)?;
-        let started = self
-            .rank_state()
-            .and_then(|s| self.checkpoints.background_mut().buffers.copy(s))
-            .and_then(|state| {
-                let meta = self.manifest_meta();
-                PendingSave::spawn(
-                    target.clone(),
-                    tmp.clone(),
-                    meta,
-                    self.process_index(),
-                    state,
-                )
-            });
-        // The ranks agree on a flag, so a writer started here is never left running unseen.
-        let (started, outcome) = match started {
-            Ok(p) => (Some(p), Ok(())),
-            Err(e) => (None, Err(e)),
-        };
-        match self.agree("copying the state", outcome) {
-            Ok(()) => {
-                self.checkpoints.background_mut().pending = started;
-                Ok(target)
-            }
-            Err(e) => {
-                if let Some(p) = started {
-                    let _ = p.join();
-                }
-                if self.is_main_process() {
-                    let _ = store::abandon(&tmp);
-                }
-                Err(e)
-            }
-        }
-    }
-
-    /// Finishes the save running in the background, if any: waits for this rank's files,
-    /// then the ranks agree and the main process commits. Returns the committed folder
-    /// (`None` when nothing was pending), or the error of any rank's write or of the commit,
-    /// on every rank. Every rank must call it.
-    pub fn wait_for_checkpoint(&mut self) -> Result<Option<PathBuf>> {
-        let Some(pending) = self.checkpoints.background_mut().pending.take() else {
-            return Ok(None);
-        };
-        let (target, tmp, meta, wrote) = pending.join();
-        self.finish_save(&target, &tmp, meta, wrote)?;
-        Ok(Some(target))
-    }
-
-    /// The folder a save running in the background will be committed to, if one is running.
-    pub fn pending_checkpoint(&self) -> Option<&Path> {
-        self.checkpoints
-            .background()
-            .pending
-            .as_ref()
-            .map(|p| p.target.as_path())
-    }
-
-    /// Whether [`save_state`](Self::save_state) saves in the background (see
-    /// [`AcceleratorBuilder::async_checkpoints`](crate::AcceleratorBuilder::async_checkpoints)).
-    pub fn async_checkpoints(&self) -> bool {
-        self.checkpoints.background().by_default
-    }
-}
-
-/// The end of training is a wait point: a checkpoint already announced by `save_state_async`
-/// is committed before the Accelerator goes, unless the program is panicking.
-impl Drop for Accelerator {
-    fn drop(&mut self) {
-        let Some(target) = self.pending_checkpoint().map(Path::to_path_buf) else {
-            return;
-        };
-        let rank = self.process_index();
-        if std::thread::panicking() {
-            // Another rank may never get here, so no collective: the save is given up.
-            if let Some(pending) = self.checkpoints.background_mut().pending.take() {
-                let (_, tmp, _, _) = pending.join();
-                if self.is_main_process() {
-                    let _ = store::abandon(&tmp);
-                }
-            }
-            eprintln!(
-                "ivme: rank {rank}: the checkpoint {} was not committed (a panic ended \
-                 training while it was written); the previous checkpoint is the newest",
-                target.display()
-            );
-            return;
-        }
-        if let Err(e) = self.wait_for_checkpoint() {
-            eprintln!(
-                "ivme: rank {rank}: the checkpoint {} was not committed: {e}; call \
-                 wait_for_checkpoint() before the end of training to get this as an error",
-                target.display()
-            );
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::checkpoint::Component;
+    use crate::Accelerator;
     use candle_core::DType;
 
     fn state(tensors: &[(&str, &Var)]) -> RankState {

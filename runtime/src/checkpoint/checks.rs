@@ -6,11 +6,11 @@ use std::path::Path;
 
 use super::format::bad;
 use crate::error::Result;
-use crate::scaler::LossScaler;
+use crate::precision::scaler::LossScaler;
 
 /// Refuses a scaler that cannot work, or one whose presence does not match this run's
 /// precision (fp16 has a scaler, other precisions none).
-pub(super) fn check_scaler(file: &Path, s: Option<&LossScaler>, live_has: bool) -> Result<()> {
+pub(crate) fn check_scaler(file: &Path, s: Option<&LossScaler>, live_has: bool) -> Result<()> {
     match (s, live_has) {
         (Some(_), false) => return Err(bad(file, "holds an fp16 loss scaler but this run does not use fp16: resume with the precision that saved it")),
         (None, true) => return Err(bad(file, "holds no loss scaler but this run uses fp16: resume with the precision that saved it")),

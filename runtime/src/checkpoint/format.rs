@@ -15,7 +15,7 @@ use candle_core::{CpuStorage, DType, Device, Storage, Tensor};
 use serde_json::{Map, Value};
 
 pub(crate) use super::read::{read_header, read_tensors};
-use crate::error::{Error, Result};
+use crate::error::{CheckpointErrorKind, Error, Result};
 
 /// Upper bound on the JSON header, matching the reference implementation's guard against
 /// files that claim absurd header sizes.
@@ -41,10 +41,7 @@ pub(crate) struct Header {
 }
 
 pub(crate) fn bad(path: &Path, msg: impl Into<String>) -> Error {
-    Error::Checkpoint {
-        path: path.to_path_buf(),
-        msg: msg.into(),
-    }
+    Error::checkpoint(path, CheckpointErrorKind::Damaged, msg)
 }
 
 fn dtype_name(dtype: DType) -> Option<&'static str> {

@@ -6,7 +6,7 @@ use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use super::faults::crash_point;
-use crate::error::{Error, Result};
+use crate::error::{CheckpointErrorKind, Error, Result};
 
 /// Buffer large enough that tensor writes reach the kernel in big pieces.
 const BUF: usize = 1 << 20;
@@ -44,14 +44,15 @@ pub(crate) fn kind_name(t: FileType) -> &'static str {
 }
 
 fn not_regular(path: &Path, t: FileType) -> Error {
-    Error::Checkpoint {
-        path: path.to_path_buf(),
-        msg: format!(
+    Error::checkpoint(
+        path,
+        CheckpointErrorKind::Damaged,
+        format!(
             "is {}, not a regular file; checkpoint and model folders hold only regular files: \
              remove it or replace it with the file it stands for",
             kind_name(t)
         ),
-    }
+    )
 }
 
 /// Opens `path` for reading only if it is a regular file, without ever blocking on a FIFO or a

@@ -17,8 +17,8 @@ use serde_json::Value;
 
 use super::format::bad;
 use super::store::Manifest;
-use crate::config::Sharding;
 use crate::error::Result;
+use crate::setup::config::Sharding;
 
 /// The layout of a checkpoint's model and optimizer state, as its manifest records it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -223,3 +223,67 @@ fn a_corrupt_file_after_a_good_one_changes_nothing() {
     }
     let _ = std::fs::remove_dir_all(&root);
 }
+
+/// Each way a load can fail carries a kind a caller can branch on: no checkpoint yet
+/// (start fresh), a damaged one (an older one may stand in), one that does not fit the run
+/// (never load it), a folder another job holds.
+#[test]
+fn checkpoint_errors_say_which_kind_of_problem_they_are() {
+    use crate::CheckpointErrorKind as Kind;
+    let kind = |r: crate::Result<_>| r.err().and_then(|e| e.checkpoint_kind());
+
+    // A project without a checkpoint: missing.
+    let root = scratch("kind-missing");
+    let (mut acc, _, _) = prepared(Some(&root));
+    assert_eq!(kind(acc.load_state(None)), Some(Kind::Missing));
+
+    // No folder there at all: missing.
+    let nowhere = root.join("no-such-checkpoint");
+    assert_eq!(kind(acc.load_state(Some(&nowhere))), Some(Kind::Missing));
+
+    // A file cut short: damaged.
+    let dir = scratch("kind-damaged");
+    let (mut acc, vars, mut opt) = saved_run(&dir);
+    let big = listed(&dir)
+        .into_iter()
+        .max_by_key(|f| std::fs::metadata(f).unwrap().len())
+        .unwrap();
+    let len = std::fs::metadata(&big).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&big)
+        .unwrap()
+        .set_len(len / 2)
+        .unwrap();
+    assert_eq!(kind(acc.load_state(Some(&dir))), Some(Kind::Damaged));
+    // ... and so is a listed file that is gone.
+    std::fs::remove_file(&big).unwrap();
+    assert_eq!(kind(acc.load_state(Some(&dir))), Some(Kind::Damaged));
+
+    // A sound checkpoint of another model: unfit.
+    let dir = scratch("kind-unfit");
+    step(&mut acc, &mut opt, &vars);
+    let other = scratch("kind-unfit-other");
+    let mut small = Accelerator::builder().cpu(true).build().unwrap();
+    let varmap = VarMap::new();
+    varmap
+        .get(3, "a.weight", Init::Const(1.0), DType::F32, &Device::Cpu)
+        .unwrap();
+    let adamw = AdamW::new(varmap.all_vars(), ParamsAdamW::default()).unwrap();
+    let _prepared = small.prepare((varmap, adamw)).unwrap();
+    small.save_state(Some(&other)).unwrap();
+    acc.save_state(Some(&dir)).unwrap();
+    assert_eq!(kind(acc.load_state(Some(&other))), Some(Kind::Unfit));
+    assert!(acc.load_state(Some(&dir)).is_ok());
+
+    // Every other error has no checkpoint kind.
+    assert_eq!(crate::Error::Usage("x".into()).checkpoint_kind(), None);
+    for d in [
+        "kind-missing",
+        "kind-damaged",
+        "kind-unfit",
+        "kind-unfit-other",
+    ] {
+        let _ = std::fs::remove_dir_all(scratch(d));
+    }
+}

@@ -22,7 +22,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use serde::{Deserialize, Serialize};
 
 use super::fsio::io_at;
-use crate::error::{Error, Result};
+use crate::error::{CheckpointErrorKind, Error, Result};
 
 /// Name of the lock file inside a locked folder.
 pub const LOCK_FILE: &str = ".ivme-lock";
@@ -273,15 +273,16 @@ fn held_by_other(dir: &Path, holder: Option<Holder>) -> Error {
         }
         None => "a process that has not written its name yet".into(),
     };
-    Error::Checkpoint {
-        path: dir.to_path_buf(),
-        msg: format!(
+    Error::checkpoint(
+        dir,
+        CheckpointErrorKind::Locked,
+        format!(
             "is locked by another job that saves checkpoints here ({who}); two jobs writing \
              one checkpoint folder would destroy each other's checkpoints. Wait for that job to \
              finish or stop it, or give this run its own project_dir (the lock is released \
              automatically when its holder exits, even by a crash)"
         ),
-    }
+    )
 }
 
 #[cfg(test)]
@@ -314,6 +315,13 @@ mod tests {
         assert!(try_flock(&f).unwrap(), "released with the last handle");
         let e = held_by_other(&dir, read_holder(&dir.join(LOCK_FILE))).to_string();
         assert!(e.contains("project_dir"), "{e}");
+        // `f` holds it now, as another job would: the refusal says it is a lock.
+        let refused = FolderLock::check_free(&dir).unwrap_err();
+        assert_eq!(
+            refused.checkpoint_kind(),
+            Some(crate::CheckpointErrorKind::Locked),
+            "{refused}"
+        );
         drop(f);
         let _ = std::fs::remove_dir_all(&dir);
     }

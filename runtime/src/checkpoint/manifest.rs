@@ -8,7 +8,7 @@ use serde_json::Value;
 
 use super::format::bad;
 use super::fsio::{io_at, kind_name, read_regular, size_and_crc};
-use crate::error::Result;
+use crate::error::{CheckpointErrorKind, Error, Result};
 
 /// Version of the folder layout written by this build.
 pub const FORMAT_VERSION: u32 = 1;
@@ -67,6 +67,13 @@ pub(super) fn encode_manifest(m: &Manifest) -> Result<Vec<u8>> {
 /// Reads and self-checks `dir/manifest.json` without touching the other files.
 pub fn read_manifest(dir: &Path) -> Result<Manifest> {
     let path = dir.join(MANIFEST_FILE);
+    if std::fs::symlink_metadata(dir).is_err() {
+        return Err(Error::checkpoint(
+            dir,
+            CheckpointErrorKind::Missing,
+            "does not exist: no checkpoint was saved there (check the path)",
+        ));
+    }
     if std::fs::symlink_metadata(&path).is_err() {
         return Err(bad(
             dir,

@@ -15,14 +15,18 @@
 //!   or each rank's slice under sharding), so a checkpoint resumes on any number of processes;
 //!   [`merge_weights`] turns any layout into a Hugging Face model folder.
 //!
-//! These are plain functions over tensors, JSON and paths; the [`Accelerator`](crate::Accelerator)
-//! gathers the state and puts barriers between the steps.
+//! - `plan`: what a load has found and will apply, checked before anything changes.
+//!
+//! These are storage and protocol over tensors, JSON and paths: no file here imports the
+//! [`Accelerator`](crate::Accelerator). The facade (`accelerator/checkpoints.rs`, `restore.rs`,
+//! `reshard.rs`, `newest.rs`, `background.rs`) gathers each part's state and puts barriers
+//! between the steps.
 
 pub mod background;
-mod checks;
+pub(crate) mod checks;
 #[doc(hidden)]
 pub mod faults;
-mod format;
+pub(crate) mod format;
 pub(crate) mod fsio;
 pub mod layout;
 #[cfg(test)]
@@ -32,16 +36,14 @@ mod manifest;
 mod merge;
 pub mod model;
 pub(crate) mod names;
-pub(crate) mod newest;
 mod parts;
+pub(crate) mod plan;
 pub mod project;
 mod read;
-mod reshard;
-pub(crate) mod restore;
 pub(crate) use parts::Checkpointing;
 pub mod staging;
 pub mod store;
-mod swap;
+pub(crate) mod swap;
 
 pub use lock::FolderLock;
 pub use merge::{merge_weights, MergeOptions, Merged};

@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 
 use super::fsio::{io_at, remove_dir_atomic};
 use super::store::{verify, Manifest, MANIFEST_FILE};
-use crate::error::{Error, Result};
+use crate::error::{CheckpointErrorKind, Error, Result};
 
 /// Prefix of automatically named checkpoint folders (`checkpoint_0`, `checkpoint_1`, ...).
 const PREFIX: &str = "checkpoint_";
@@ -138,7 +138,7 @@ pub fn latest_valid(checkpoints_dir: &Path) -> Result<Option<(PathBuf, Manifest)
     for (_, dir) in numbered(checkpoints_dir)?.into_iter().rev() {
         match verify(&dir) {
             Ok(manifest) => return Ok(Some((dir, manifest))),
-            Err(e) => eprintln!("ivme: skipping checkpoint {}: {e}", dir.display()),
+            Err(e) => warn_user!("skipping checkpoint {}: {e}", dir.display()),
         }
     }
     Ok(None)
@@ -158,8 +158,8 @@ pub fn find_resumable(checkpoints_dir: &Path) -> Result<Option<PathBuf>> {
         match verify(dir) {
             Ok(_) => return Ok(Some(dir.clone())),
             Err(e) => {
-                eprintln!(
-                    "ivme: warning: skipping damaged checkpoint {}: {e}",
+                warn_user!(
+                    "warning: skipping damaged checkpoint {}: {e}",
                     dir.display()
                 );
                 newest_error.get_or_insert(e);
@@ -168,14 +168,15 @@ pub fn find_resumable(checkpoints_dir: &Path) -> Result<Option<PathBuf>> {
     }
     match newest_error {
         None => Ok(None),
-        Some(e) => Err(Error::Checkpoint {
-            path: checkpoints_dir.to_path_buf(),
-            msg: format!(
+        Some(e) => Err(Error::checkpoint(
+            checkpoints_dir,
+            CheckpointErrorKind::Damaged,
+            format!(
                 "holds {} checkpoint(s) but none verifies (newest: {e}); delete the damaged \
                  folders to start fresh, or load an intact copy",
                 all.len()
             ),
-        }),
+        )),
     }
 }
 

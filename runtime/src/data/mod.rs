@@ -3,12 +3,15 @@
 
 mod dataset;
 mod loader;
+mod loop_position;
 mod position;
 mod progress;
 pub mod sampler;
 
 pub use dataset::{Dataset, TensorColumns, TensorDataset};
 pub use loader::{Batches, DataLoader};
+#[doc(hidden)]
+pub use loop_position::{LoopCursor, LoopPosition};
 pub use position::LoaderPosition;
 pub(crate) use progress::DataProgress;
 

@@ -3,7 +3,7 @@
 //! restored with the training state.
 
 use super::LoaderPosition;
-use crate::macro_support::LoopCursor;
+use crate::data::LoopCursor;
 use crate::rng::{mix, Rng};
 use crate::stateful::Shared;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -3,8 +3,8 @@
 
 use super::{Linked, OptimizerLink, StatefulOptimizer};
 use crate::error::{Error, Result};
-use crate::grads::Gradients;
 use crate::stateful::{Shared, StateDict, Stateful};
+use crate::train::grads::Gradients;
 use candle_core::Var;
 use std::sync::{Arc, MutexGuard};
 

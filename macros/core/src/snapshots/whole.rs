@@ -1,5 +1,5 @@
 //! Whole-function snapshots (under `tests/snapshots/`): what `cargo expand` prints for the
-//! main shapes of training function, and the one `docs/macro.md` shows.
+//! main shapes of training function, and the one `macros/macro.md` shows.
 
 use super::check_snapshot;
 use proc_macro2::TokenStream;
@@ -79,7 +79,7 @@ fn snapshot_parameter_form() {
 }
 
 /// The README's main example, read from `examples/tutorial_macro.rs`: its expansion is kept as
-/// a snapshot and shown verbatim in `docs/macro.md`, so neither can drift from the macro.
+/// a snapshot and shown verbatim in `macros/macro.md`, so neither can drift from the macro.
 #[test]
 fn snapshot_of_the_main_example_matches_the_docs() {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
@@ -103,9 +103,9 @@ fn snapshot_of_the_main_example_matches_the_docs() {
         PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/snapshots/tutorial_macro.rs"),
     )
     .unwrap();
-    let docs = std::fs::read_to_string(root.join("docs/macro.md")).unwrap();
+    let docs = std::fs::read_to_string(root.join("macros/macro.md")).unwrap();
     assert!(
         docs.contains(&snapshot),
-        "docs/macro.md must show the current expansion of examples/tutorial_macro.rs:\n{snapshot}"
+        "macros/macro.md must show the current expansion of examples/tutorial_macro.rs:\n{snapshot}"
     );
 }

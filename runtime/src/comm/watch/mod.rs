@@ -467,8 +467,8 @@ impl Watch {
                 return Ending::Clean;
             }
             if start.elapsed() >= self.timeout {
-                eprintln!(
-                    "ivme: rank {} waited {:.0} s at the end of the run for rank(s) {waiting:?} \
+                warn_user!(
+                    "rank {} waited {:.0} s at the end of the run for rank(s) {waiting:?} \
                      to finish; leaving without them",
                     self.rank,
                     self.timeout.as_secs_f64()

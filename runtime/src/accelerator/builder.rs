@@ -1,0 +1,387 @@
+//! [`AcceleratorBuilder`]: the settings an Accelerator is built from, resolved against the
+//! launcher's environment, and the checks that refuse what this build or device cannot do.
+
+use crate::accelerator::Accelerator;
+use crate::comm::{self, CommOptions, Counted};
+use crate::error::{Error, Result};
+use crate::setup::config::{resolve, resolve_with, Precision};
+use crate::setup::env;
+use crate::setup::state::{select_device, EnvLayout, ProcessState};
+use crate::stateful::Shared;
+use candle_core::{DType, Device, Tensor};
+use std::time::Duration;
+
+/// Settings for an [`Accelerator`]; anything left unset comes from the launcher's
+/// environment (`IVME_*`), then from the defaults.
+#[derive(Debug, Clone, Default)]
+pub struct AcceleratorBuilder {
+    grad_accum: Option<usize>,
+    precision: Option<Precision>,
+    sharding: Option<crate::setup::config::Sharding>,
+    buffers: Option<crate::setup::config::BufferSync>,
+    cpu: Option<bool>,
+    clip_grad_norm: Option<f64>,
+    clip_grad_value: Option<f64>,
+    seed: Option<u64>,
+    bucket_mb: Option<usize>,
+    initial_loss_scale: Option<f64>,
+    project_dir: Option<std::path::PathBuf>,
+    total_limit: Option<usize>,
+    collective_timeout: Option<Duration>,
+    debug_sync: Option<bool>,
+    async_checkpoints: bool,
+}
+
+impl AcceleratorBuilder {
+    /// Saves checkpoints without a path to `dir/checkpoints/checkpoint_{n}` (automatic
+    /// naming); see [`ProjectConfiguration`](crate::checkpoint::ProjectConfiguration).
+    pub fn project_dir(mut self, dir: impl Into<std::path::PathBuf>) -> Self {
+        self.project_dir = Some(dir.into());
+        self
+    }
+
+    /// How long one collective may wait for the other processes (10 minutes by default, or
+    /// `IVME_COLLECTIVE_TIMEOUT` seconds): past it the job fails with an error naming the
+    /// collective and the ranks that had not arrived, instead of hanging.
+    pub fn collective_timeout(mut self, timeout: Duration) -> Self {
+        self.collective_timeout = Some(timeout);
+        self
+    }
+
+    /// Compares every collective across all processes before running it and, when they are
+    /// not at the same call, fails listing what *each* process was doing (the check that is
+    /// always on names the first pair that disagrees); also `IVME_DEBUG_SYNC=1`. One small
+    /// extra collective per collective: for debugging.
+    pub fn debug_sync(mut self, on: bool) -> Self {
+        self.debug_sync = Some(on);
+        self
+    }
+
+    /// Makes [`save_state`](Accelerator::save_state) asynchronous: it copies the state into
+    /// host memory and returns, a background thread writes the files, and the checkpoint is
+    /// committed at the next save, `wait_for_checkpoint`, `load_state` or the end of training
+    /// (see [`save_state_async`](Accelerator::save_state_async)). Off by default.
+    pub fn async_checkpoints(mut self, on: bool) -> Self {
+        self.async_checkpoints = on;
+        self
+    }
+
+    /// Keeps only the newest `n` automatically named checkpoints.
+    pub fn total_limit(mut self, n: usize) -> Self {
+        self.total_limit = Some(n);
+        self
+    }
+
+    /// The fp16 loss scale to start from (65536 by default); it adapts while training.
+    pub fn initial_loss_scale(mut self, scale: f64) -> Self {
+        self.initial_loss_scale = Some(scale);
+        self
+    }
+    /// Accumulates gradients over `n` micro-batches per optimizer step (`n >= 1`).
+    pub fn grad_accum(mut self, n: usize) -> Self {
+        self.grad_accum = Some(n);
+        self
+    }
+    /// Sets the compute precision.
+    pub fn precision(mut self, p: Precision) -> Self {
+        self.precision = Some(p);
+        self
+    }
+    /// Forces the CPU even when a GPU is present.
+    pub fn cpu(mut self, cpu: bool) -> Self {
+        self.cpu = Some(cpu);
+        self
+    }
+    /// Clips the synced gradients to this global L2 norm before every real step.
+    pub fn clip_grad_norm(mut self, max_norm: f64) -> Self {
+        self.clip_grad_norm = Some(max_norm);
+        self
+    }
+    /// Clamps the synced gradients to `[-v, v]` before every real step.
+    pub fn clip_grad_value(mut self, v: f64) -> Self {
+        self.clip_grad_value = Some(v);
+        self
+    }
+    /// How much of the training state each process holds: [`Sharding::Optimizer`] (stage 1)
+    /// or [`Sharding::Gradients`] (stage 2) split the f32 masters and optimizer state (and the
+    /// synced gradients) across processes; see docs/sharding.md.
+    ///
+    /// [`Sharding::Optimizer`]: crate::Sharding::Optimizer
+    /// [`Sharding::Gradients`]: crate::Sharding::Gradients
+    pub fn sharding(mut self, s: crate::setup::config::Sharding) -> Self {
+        self.sharding = Some(s);
+        self
+    }
+    /// How the prepared models' buffers (BatchNorm's running statistics, a counter, an EMA:
+    /// variables the forward writes and no gradient reaches) agree across processes at the end
+    /// of each accumulation window: [`BufferSync::Broadcast`] (the default: rank 0's),
+    /// [`BufferSync::Average`] (the mean of every rank's) or [`BufferSync::Local`] (each
+    /// keeps its own); see docs/buffers.md.
+    ///
+    /// [`BufferSync::Broadcast`]: crate::BufferSync::Broadcast
+    /// [`BufferSync::Average`]: crate::BufferSync::Average
+    /// [`BufferSync::Local`]: crate::BufferSync::Local
+    pub fn buffers(mut self, b: crate::setup::config::BufferSync) -> Self {
+        self.buffers = Some(b);
+        self
+    }
+    /// The seed for ivme's generators: [`Accelerator::rng`] and the initial weights
+    /// [`Accelerator::var_builder`] draws (0 unless set).
+    pub fn seed(mut self, seed: u64) -> Self {
+        self.seed = Some(seed);
+        self
+    }
+    /// The size of the buffers gradients are flattened into for averaging, in MiB.
+    pub fn bucket_size_mb(mut self, mb: usize) -> Self {
+        self.bucket_mb = Some(mb);
+        self
+    }
+
+    /// Resolves the settings, joins the distributed run and builds the Accelerator.
+    pub fn build(self) -> Result<Accelerator> {
+        let mut warnings = Vec::new();
+        let mut take = |w: Option<String>| warnings.extend(w);
+        let (grad_accum, w) = resolve("grad_accum", self.grad_accum, &env::GRAD_ACCUM, 1usize)?;
+        take(w);
+        let (precision, w) = resolve("precision", self.precision, &env::PRECISION, Precision::No)?;
+        take(w);
+        let (sharding, w) = resolve(
+            "sharding",
+            self.sharding,
+            &env::SHARDING,
+            crate::setup::config::Sharding::No,
+        )?;
+        take(w);
+        let (buffers, w) = resolve(
+            "buffers",
+            self.buffers,
+            &env::BUFFERS,
+            crate::setup::config::BufferSync::Broadcast,
+        )?;
+        take(w);
+        if buffers == crate::setup::config::BufferSync::Local
+            && sharding != crate::setup::config::Sharding::No
+        {
+            return Err(Error::config(
+                "buffers",
+                "local, with sharding",
+                "use buffers = broadcast or average under sharding: a sharded checkpoint \
+                 holds one value of each buffer, and local buffers differ by process",
+            ));
+        }
+        let (cpu, w) = resolve_with("cpu", self.cpu, &env::CPU, false, |s| {
+            env::parse_bool(s).ok_or_else(|| format!("use {}", env::CPU.values))
+        })?;
+        take(w);
+        if grad_accum == 0 {
+            return Err(Error::config(
+                "grad_accum",
+                0,
+                "use 1 (no accumulation) or more",
+            ));
+        }
+        if let (Some(_), Some(_)) = (self.clip_grad_norm, self.clip_grad_value) {
+            return Err(Error::config(
+                "clip_grad_norm",
+                "set together with clip_grad_value",
+                "choose one kind of clipping",
+            ));
+        }
+        for (k, v) in [
+            ("clip_grad_norm", self.clip_grad_norm),
+            ("clip_grad_value", self.clip_grad_value),
+        ] {
+            if let Some(v) = v {
+                if !(v > 0.0 && v.is_finite()) {
+                    return Err(Error::config(k, v, "use a positive, finite number"));
+                }
+            }
+        }
+
+        if let Some(s) = self.initial_loss_scale {
+            if !(s > 0.0 && s.is_finite()) {
+                return Err(Error::config(
+                    "initial_loss_scale",
+                    s,
+                    "use a positive, finite scale such as 65536",
+                ));
+            }
+        }
+
+        let comm_options = self.comm_options()?;
+        let project = match (self.project_dir, self.total_limit) {
+            (Some(dir), limit) => {
+                let mut p = crate::checkpoint::ProjectConfiguration::new(dir)
+                    .automatic_checkpoint_naming(true);
+                if let Some(n) = limit {
+                    p = p.total_limit(n);
+                }
+                p.validate()?;
+                Some(p)
+            }
+            (None, Some(n)) => {
+                return Err(Error::config(
+                    "total_limit",
+                    n,
+                    "set project_dir too: the limit applies to a project's checkpoints",
+                ))
+            }
+            (None, None) => None,
+        };
+
+        let layout = EnvLayout::from_env()?;
+        let (rank, world, local_rank, local_world) = match layout {
+            Some(l) => (l.rank, l.world_size, l.local_rank, l.local_world_size),
+            None => (0, 1, 0, 1),
+        };
+        // The device first: the communicator is the one for that device.
+        let device = select_device(local_rank, cpu)?;
+        let comm = comm::open(world, &device, &comm_options)?;
+        if comm.world_size() != world || comm.rank() != rank {
+            return Err(Error::Setup(format!(
+                "the environment says rank {rank} of {world} but {} says rank {} of {}; start \
+                 the program with `ivme launch` or a matching mpirun",
+                comm.name(),
+                comm.rank(),
+                comm.world_size()
+            )));
+        }
+        check_precision(precision, &device)?;
+        let state = ProcessState {
+            rank,
+            world_size: world,
+            local_rank,
+            local_world_size: local_world,
+            device,
+        };
+        if state.is_main_process() {
+            for w in &warnings {
+                warn_user!("{}", w.strip_prefix("ivme: ").unwrap_or(w));
+            }
+        }
+        let seed = self.seed.unwrap_or(0);
+        Ok(Accelerator {
+            state,
+            comm: Counted::new(comm),
+            sync: crate::train::sync::SyncSettings::new(
+                sharding,
+                self.bucket_mb.unwrap_or(25).max(1) << 20,
+                self.clip_grad_norm,
+                self.clip_grad_value,
+            )
+            .with_buffers(buffers),
+            mixed: crate::precision::MixedPrecision::new(precision, self.initial_loss_scale),
+            training: crate::train::training::Training::new(grad_accum),
+            data: crate::data::DataProgress::new(seed, rank),
+            checkpoints: crate::checkpoint::Checkpointing::new(project, self.async_checkpoints),
+            trackers: Shared::new(None),
+        })
+    }
+}
+
+impl AcceleratorBuilder {
+    /// The collective deadline and debug mode: the builder's, else the launcher's variables.
+    fn comm_options(&self) -> Result<CommOptions> {
+        let timeout = match self.collective_timeout {
+            Some(t) => t,
+            None => match env::COLLECTIVE_TIMEOUT.get() {
+                Some(raw) => parse_timeout(&raw)?,
+                None => comm::DEFAULT_TIMEOUT,
+            },
+        };
+        if timeout.is_zero() {
+            return Err(Error::config(
+                "collective_timeout",
+                "0 s",
+                "use a positive duration, e.g. 600 seconds",
+            ));
+        }
+        let debug_sync = match self.debug_sync {
+            Some(on) => on,
+            None => match env::DEBUG_SYNC.get() {
+                None => false,
+                Some(raw) => env::parse_bool(&raw).ok_or_else(|| {
+                    Error::config(
+                        env::DEBUG_SYNC.name,
+                        &raw,
+                        "use 1 to check every collective across ranks, or 0",
+                    )
+                })?,
+            },
+        };
+        Ok(CommOptions {
+            timeout,
+            debug_sync,
+        })
+    }
+}
+
+/// Reads the launcher's collective deadline: seconds, or a number with a unit (`90`, `0.5`,
+/// `10m`), as `ivme launch --collective_timeout` takes it.
+fn parse_timeout(raw: &str) -> Result<Duration> {
+    env::parse_duration(raw).ok_or_else(|| {
+        Error::config(
+            env::COLLECTIVE_TIMEOUT.name,
+            raw,
+            format!("use {}, e.g. 600", env::DURATION_FORMS),
+        )
+    })
+}
+
+/// Refuses a precision the device cannot run, rather than silently training in f32.
+fn check_precision(p: Precision, device: &Device) -> Result<()> {
+    if p == Precision::No {
+        return Ok(());
+    }
+    let dt = p.compute_dtype();
+    let probe = || -> candle_core::Result<()> {
+        let a = Tensor::ones((2, 2), dt, device)?;
+        a.matmul(&a)?
+            .to_dtype(DType::F32)?
+            .sum_all()?
+            .to_scalar::<f32>()?;
+        Ok(())
+    };
+    probe().map_err(|e| {
+        Error::Precision(format!(
+            "{p} is not supported on {device:?} by this build ({e}); use precision \"no\" or \
+             another device"
+        ))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn collective_timeouts_are_positive_seconds() {
+        assert_eq!(parse_timeout(" 90 ").unwrap(), Duration::from_secs(90));
+        assert_eq!(parse_timeout("0.5").unwrap(), Duration::from_millis(500));
+        // The launcher's forms with a unit are read the same way here.
+        assert_eq!(parse_timeout("10m").unwrap(), Duration::from_secs(600));
+        for bad in ["0", "-3", "soon", "inf", "NaN", ""] {
+            let msg = parse_timeout(bad).unwrap_err().to_string();
+            assert!(
+                msg.contains("IVME_COLLECTIVE_TIMEOUT")
+                    && msg.contains("positive number of seconds"),
+                "{bad}: {msg}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_builder_wins_over_the_defaults() {
+        let b = AcceleratorBuilder::default()
+            .collective_timeout(Duration::from_secs(7))
+            .debug_sync(true);
+        let o = b.comm_options().unwrap();
+        assert_eq!((o.timeout, o.debug_sync), (Duration::from_secs(7), true));
+        let zero = AcceleratorBuilder::default().collective_timeout(Duration::ZERO);
+        assert!(zero
+            .comm_options()
+            .unwrap_err()
+            .to_string()
+            .contains("positive"));
+    }
+}

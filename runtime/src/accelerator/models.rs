@@ -1,0 +1,372 @@
+//! Registering a model and its optimizer with the Accelerator: every rank starts from rank 0's
+//! weights; the f32 masters are made (exact ones from `var_builder`, or this rank's slice under
+//! sharding); an optimizer is pointed at the masters and wrapped.
+
+use crate::accelerator::Accelerator;
+use crate::comm::Communicator;
+use crate::error::{Error, Result};
+use crate::optim::accelerated::OptimizerSlot;
+use crate::optim::AcceleratedOptimizer;
+use crate::optim::StatefulOptimizer;
+use crate::precision::exact_init::SeededInit;
+use crate::stateful::Shared;
+use crate::train::grads::ParamSet;
+use crate::Precision;
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Tensor, Var};
+use candle_nn::{VarBuilder, VarMap};
+
+impl Accelerator {
+    pub(crate) fn find_model(&self, varmap: &VarMap) -> Option<usize> {
+        let first = varmap.all_vars().into_iter().next()?;
+        self.training.models().iter().position(|m| {
+            m.compute
+                .iter()
+                .any(|v| v.as_tensor().id() == first.as_tensor().id())
+        })
+    }
+
+    /// Makes every rank start from rank 0's weights and sets up f32 masters.
+    pub(crate) fn register_model(&mut self, varmap: &VarMap) -> Result<()> {
+        if self.find_model(varmap).is_some() {
+            return Err(Error::Prepare(
+                "this VarMap was already prepared; prepare each model once".into(),
+            ));
+        }
+        let mut named: Vec<(String, Var)> = varmap
+            .data()
+            .lock()
+            .map_err(|_| {
+                Error::Prepare("the VarMap's lock is poisoned by an earlier panic".into())
+            })?
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        if named.is_empty() {
+            return Err(Error::Prepare(
+                "the VarMap has no variables yet: build the model from it before preparing".into(),
+            ));
+        }
+        named.sort_by(|a, b| a.0.cmp(&b.0));
+        let low = self.mixed.policy().compute_dtype();
+        let mut names = Vec::with_capacity(named.len());
+        let mut compute = Vec::with_capacity(named.len());
+        let mut master = Vec::with_capacity(named.len());
+        let mut buffer = Vec::with_capacity(named.len());
+        let mut full = Vec::new();
+        for (name, var) in named {
+            let dt = var.dtype();
+            let statistic = crate::train::buffers::is_batch_norm_statistic(&name);
+            let is_buffer = statistic || self.training.is_pending_buffer(var.as_tensor().id());
+            if statistic && self.mixed.policy() != Precision::No && dt != DType::F32 {
+                return Err(Error::Precision(format!(
+                    "`{name}` (a BatchNorm running statistic) is {dt:?}: candle 0.11's BatchNorm \
+                     updates its statistics with f32 batch statistics, so its first training \
+                     step would fail with a dtype mismatch; build the model with \
+                     `accelerator.var_builder(&varmap, DType::F32)`, which keeps BatchNorm's \
+                     statistics in f32 under {} (or `#[accelerate]`, which writes that call)",
+                    self.mixed.policy()
+                )));
+            }
+            if self.mixed.policy() != Precision::No && dt == DType::F32 && !is_buffer {
+                return Err(Error::Precision(format!(
+                    "precision is {} but variable `{name}` is f32, so the model would silently \
+                     train in f32; create it with `accelerator.var_builder(&varmap, \
+                     DType::F32)` (exact f32 masters) or `VarBuilder::from_varmap(&varmap, \
+                     accelerator.param_dtype(DType::F32), accelerator.device())`",
+                    self.mixed.policy()
+                )));
+            }
+            // Broadcast in f32: exact for f16/bf16 values, and MPI has no half types. A variable
+            // `var_builder` made starts its master from its exact f32 initialisation.
+            let value = match self.take_exact_master(&var)? {
+                Some(exact) => exact,
+                None => var.as_tensor().to_dtype(DType::F32)?,
+            };
+            let value = self.comm.broadcast(&value, 0)?;
+            let m = if self.sync.sharding() != crate::Sharding::No {
+                // The masters are this rank's pieces (below); the model's weights stand in.
+                if self.state.world_size > 1 {
+                    var.set(&value.to_dtype(dt)?)?;
+                }
+                full.push(value);
+                var.clone()
+            } else if dt == low && dt != DType::F32 {
+                let m = Var::from_tensor(&value)?;
+                var.set(&value.to_dtype(dt)?)?;
+                m
+            } else {
+                if self.state.world_size > 1 {
+                    var.set(&value.to_dtype(dt)?)?;
+                }
+                var.clone()
+            };
+            names.push(name);
+            compute.push(var);
+            master.push(m);
+            buffer.push(is_buffer);
+        }
+        let sums = vec![None; names.len()];
+        let trained = vec![false; names.len()];
+        let shard = if self.sync.sharding() == crate::Sharding::No {
+            None
+        } else {
+            let sizes: Vec<usize> = compute.iter().map(|v| v.elem_count()).collect();
+            let plan =
+                crate::train::shard::Plan::new(&sizes, self.state.world_size, self.state.rank);
+            Some(crate::train::shard::Sharded::new(
+                self.sync.sharding(),
+                plan,
+                &full,
+            )?)
+        };
+        self.training.add_model(ParamSet {
+            names,
+            compute,
+            master,
+            trained,
+            buffer,
+            probed: false,
+            sums,
+            buffers: Default::default(),
+            shard,
+        });
+        Ok(())
+    }
+
+    /// Points a user optimizer at the masters of a prepared model and wraps it.
+    pub(crate) fn wrap_optimizer<O: StatefulOptimizer>(
+        &mut self,
+        mut opt: O,
+    ) -> Result<AcceleratedOptimizer<O>> {
+        if self.sync.sharding() != crate::Sharding::No {
+            return self.wrap_sharded_optimizer(opt);
+        }
+        let mut masters = Vec::with_capacity(opt.vars().len());
+        let mut copies = Vec::new();
+        for v in opt.vars() {
+            let id = v.as_tensor().id();
+            let found = self.training.models_mut().iter_mut().find_map(|m| {
+                m.compute
+                    .iter()
+                    .position(|c| c.as_tensor().id() == id)
+                    .map(|i| (m, i))
+            });
+            let Some((m, i)) = found else {
+                return Err(Error::Prepare(
+                    "the optimizer updates a variable of no prepared model; prepare the VarMap \
+                     before (or together with, earlier in the tuple) its optimizer"
+                        .into(),
+                ));
+            };
+            m.trained[i] = true;
+            masters.push(m.master[i].clone());
+            // A buffer's value is the model's own; its master only mirrors it (buffers.rs).
+            if !m.buffer[i] && m.compute[i].as_tensor().id() != m.master[i].as_tensor().id() {
+                copies.push((m.compute[i].clone(), m.master[i].clone()));
+            }
+        }
+        if !copies.is_empty() {
+            opt.replace_vars(masters)?;
+        }
+        let names = opt
+            .vars()
+            .iter()
+            .map(|v| self.name_of(v).unwrap_or_default())
+            .collect();
+        let shared = Shared::new(opt);
+        self.training.add_optimizer(Box::new(OptimizerSlot {
+            opt: shared.clone(),
+            names,
+        }));
+        Ok(AcceleratedOptimizer::new(shared, copies))
+    }
+
+    fn name_of(&self, var: &Var) -> Option<String> {
+        let id = var.as_tensor().id();
+        self.training.models().iter().find_map(|m| {
+            m.master
+                .iter()
+                .position(|v| v.as_tensor().id() == id)
+                .map(|i| m.names[i].clone())
+        })
+    }
+
+    /// Wraps the optimizer of a sharded model: it updates this process's pieces only, and
+    /// `backward` steps it (the returned optimizer's `step` only records the outcome).
+    pub(crate) fn wrap_sharded_optimizer<O: StatefulOptimizer>(
+        &mut self,
+        mut opt: O,
+    ) -> Result<AcceleratedOptimizer<O>> {
+        let ids: Vec<_> = opt.vars().iter().map(|v| v.as_tensor().id()).collect();
+        let Some(k) = self
+            .training
+            .models()
+            .iter()
+            .position(|m| m.compute.iter().any(|c| ids.contains(&c.as_tensor().id())))
+        else {
+            return Err(Error::Prepare(
+                "the optimizer updates a variable of no prepared model; prepare the VarMap \
+                 before (or together with, earlier in the tuple) its optimizer"
+                    .into(),
+            ));
+        };
+        let m = &mut self.training.models_mut()[k];
+        let whole = ids.len() == m.compute.len()
+            && m.compute.iter().all(|c| ids.contains(&c.as_tensor().id()));
+        if !whole {
+            return Err(Error::Prepare(
+                "under sharding an optimizer updates all of one prepared model's variables: \
+                 build it over `varmap.all_vars()` (one optimizer per model)"
+                    .into(),
+            ));
+        }
+        m.trained.iter_mut().for_each(|t| *t = true);
+        let shard = m.shard.as_mut().expect("a sharded model");
+        if shard.stepper.is_some() {
+            return Err(Error::Prepare(
+                "this sharded model already has a prepared optimizer; under sharding each \
+                 model has exactly one"
+                    .into(),
+            ));
+        }
+        opt.rebind_fresh(shard.masters.clone())?;
+        let names = shard
+            .plan
+            .pieces
+            .iter()
+            .map(|p| crate::checkpoint::layout::run_name(&m.names[p.param], p.from, p.len))
+            .collect();
+        let shared = Shared::new(opt);
+        let stepped = shared.clone();
+        shard.stepper = Some(Box::new(move |g: &GradStore| {
+            candle_nn::Optimizer::step(&mut *stepped.lock(), g)?;
+            Ok(())
+        }));
+        self.training.add_optimizer(Box::new(OptimizerSlot {
+            opt: shared.clone(),
+            names,
+        }));
+        Ok(AcceleratedOptimizer::sharded(shared))
+    }
+}
+
+impl Accelerator {
+    /// Marks `var` as a buffer of its model: state the forward writes and no optimizer steps
+    /// (a counter, a moving average), kept equal across processes as the
+    /// [`buffers`](crate::AcceleratorBuilder::buffers) setting says, saved and resumed with
+    /// the model, and never overwritten from a master weight. BatchNorm's running statistics
+    /// are buffers without this call. Call it before or after preparing the model, before
+    /// the first backward.
+    ///
+    /// ```no_run
+    /// # fn main() -> ivme::Result<()> {
+    /// let mut accelerator = ivme::Accelerator::new()?;
+    /// let varmap = candle_nn::VarMap::new();
+    /// let vb = accelerator.var_builder(&varmap, candle_core::DType::F32);
+    /// let seen = vb.get_with_hints(1, "seen", candle_nn::Init::Const(0.0))?;
+    /// accelerator.register_buffer(&candle_core::Var::from_tensor(&seen)?)?;
+    /// # Ok(()) }
+    /// ```
+    pub fn register_buffer(&mut self, var: &Var) -> Result<()> {
+        let id = var.as_tensor().id();
+        for m in self.training.models_mut() {
+            if let Some(i) = m.compute.iter().position(|c| c.as_tensor().id() == id) {
+                m.buffer[i] = true;
+                return Ok(());
+            }
+        }
+        self.training.add_pending_buffer(id);
+        Ok(())
+    }
+
+    /// The buffers of every prepared model, by name, model by model in name order.
+    pub fn buffer_names(&self) -> Vec<String> {
+        self.training
+            .models()
+            .iter()
+            .flat_map(|m| m.buffer_names().map(str::to_string))
+            .collect()
+    }
+
+    /// Brings the buffers of the models this window trained to agreement (see the module
+    /// docs); every process calls it at the end of each window.
+    pub(crate) fn end_window_buffers(&mut self, touched: &[bool]) -> Result<()> {
+        let mode = self.sync.buffers();
+        let main = self.is_main_process();
+        for m in self.training.touched_mut(touched) {
+            let adopted = m.adopt_undeclared_buffers(&self.comm)?;
+            if main && !adopted.is_empty() {
+                // Printed, as the builder's warnings are: it changes what trains.
+                warn_user!(
+                    "{} received no gradient but changed in the forward, so they are kept \
+                     as buffers (agreed across processes as `buffers = {mode}` says, never \
+                     stepped); call `accelerator.register_buffer(&var)` to say so and silence \
+                     this",
+                    adopted.join(", ")
+                );
+            }
+            m.sync_buffers(&self.comm, mode)?;
+        }
+        Ok(())
+    }
+}
+
+impl Accelerator {
+    /// A `VarBuilder` over `varmap` for building the model: variables on this process's device,
+    /// in the compute dtype for a request of f32 under mixed precision (see
+    /// [`param_dtype`](Self::param_dtype)), the request otherwise.
+    ///
+    /// Each new variable is drawn from ivme's generator, keyed by the builder's
+    /// [`seed`](crate::AcceleratorBuilder::seed) (0 unless set; [`set_seed`](Self::set_seed)
+    /// changes it) and the variable's name, as
+    /// candle's initialisation hint for it says (the Kaiming normal of `linear`, the zeros of a
+    /// bias...): with the same seed the model starts from the same weights in every run, on
+    /// every rank and on the CPU or a GPU alike. candle's own CPU initialisers cannot be
+    /// seeded, so `VarBuilder::from_varmap` gives different weights in every run.
+    ///
+    /// Under bf16/fp16 each variable is initialised in f32 and its f32 value becomes the master
+    /// weight when the model is prepared, so the masters start from the exact initialisation
+    /// and only the model's copy is rounded. `VarBuilder::from_varmap(&varmap,
+    /// accelerator.param_dtype(DType::F32), ..)` also works, with masters widened from the
+    /// rounded values (and unseeded weights). `#[accelerate]` writes this call for
+    /// `VarBuilder::from_varmap(..)`.
+    ///
+    /// ```no_run
+    /// # fn main() -> ivme::Result<()> {
+    /// let accelerator = ivme::Accelerator::builder().precision(ivme::Precision::Bf16).build()?;
+    /// let varmap = candle_nn::VarMap::new();
+    /// let layer = candle_nn::linear(8, 1, accelerator.var_builder(&varmap, candle_core::DType::F32))?;
+    /// # let _ = layer; Ok(()) }
+    /// ```
+    pub fn var_builder(&self, varmap: &VarMap, requested: DType) -> VarBuilder<'static> {
+        let dtype = self.param_dtype(requested);
+        let low = self.mixed.policy().compute_dtype();
+        let backend = SeededInit::new(
+            varmap.clone(),
+            self.data.init_seed(),
+            self.mixed.exact_masters().clone(),
+            (low != DType::F32).then_some(low),
+        );
+        VarBuilder::from_backend(Box::new(backend), dtype, self.device().clone())
+    }
+
+    /// The exact f32 initial value kept for `var`, if [`var_builder`](Self::var_builder) made
+    /// it and it still rounds to the variable's value; taken, since the master then owns it.
+    /// A variable set after it was made (weights loaded from a file, a custom initialisation)
+    /// no longer matches, and its master is widened from its current value instead.
+    pub(crate) fn take_exact_master(&self, var: &Var) -> crate::error::Result<Option<Tensor>> {
+        let Some(exact) = self
+            .mixed
+            .exact_masters()
+            .lock()
+            .remove(&var.as_tensor().id())
+        else {
+            return Ok(None);
+        };
+        let now = var.as_tensor().to_dtype(DType::F32)?;
+        let rounded = exact.to_dtype(var.dtype())?.to_dtype(DType::F32)?;
+        let differ = rounded.ne(&now)?.to_dtype(DType::F32)?.sum_all()?;
+        Ok((differ.to_scalar::<f32>()? == 0.0).then_some(exact))
+    }
+}

@@ -1,0 +1,105 @@
+//! Resuming from the newest sound checkpoint of a project, reading each of its files once.
+//!
+//! The main process lists the checkpoints newest first and takes the first whose manifest,
+//! listing and file sizes check out (no file is read for that). Every rank then reads what it
+//! would load, checksumming each file as it arrives ([`Accelerator::classify_checkpoint`]). If
+//! any rank finds a file that does not match the manifest, every rank drops that checkpoint
+//! and the next older one is tried; a checkpoint that is sound but does not fit the run is an
+//! error, with nothing changed.
+
+use crate::accelerator::Accelerator;
+use crate::checkpoint::plan::Checked;
+use crate::checkpoint::plan::{skip, Newest, DAMAGED, FAILED, READY};
+use crate::checkpoint::project::newest_first;
+use crate::checkpoint::store::verify_listing;
+use crate::error::{Error, Result};
+use std::path::Path;
+
+impl Accelerator {
+    /// Loads the newest checkpoint of `checkpoints_dir` whose every file matches its
+    /// manifest, skipping damaged newer ones with a warning. Every rank must call it.
+    pub(crate) fn load_newest(&mut self, checkpoints_dir: &Path) -> Result<Newest> {
+        let main = self.is_main_process();
+        let candidates = if main {
+            self.recover_for_load(checkpoints_dir);
+            newest_first(checkpoints_dir)
+        } else {
+            Ok(Vec::new())
+        };
+        let candidates = self.agree("listing the checkpoints", candidates)?;
+        let mut next = 0;
+        let mut newest_error: Option<String> = None;
+        loop {
+            // The main process picks the next candidate that passes the listing check.
+            let mut pick = None;
+            while main && pick.is_none() && next < candidates.len() {
+                let dir = &candidates[next];
+                next += 1;
+                match verify_listing(dir) {
+                    Ok(_) => pick = Some(dir.clone()),
+                    Err(e) => skip(dir, &e, &mut newest_error),
+                }
+            }
+            let Some(dir) = self.broadcast_path(pick)? else {
+                let found = match newest_error.take() {
+                    Some(e) => Newest::NoneSound(candidates.len(), e),
+                    None => Newest::Empty,
+                };
+                return self.agree_on_outcome(found);
+            };
+            let checked = self.classify_checkpoint(&dir);
+            let code = match &checked {
+                Ok(Checked::Ready(_)) => READY,
+                Ok(Checked::Damaged(e)) => {
+                    skip(&dir, e, &mut newest_error);
+                    DAMAGED
+                }
+                Err(_) => FAILED,
+            };
+            let all = self.comm().all_gather_bytes(&[code])?;
+            let worst = all.iter().filter_map(|c| c.first().copied()).max();
+            match (checked, worst) {
+                (Err(e), _) => return Err(e),
+                (Ok(_), Some(FAILED)) => {
+                    return Err(Error::Comm(format!(
+                        "checking the checkpoint {} failed on another rank; see its error \
+                         message",
+                        dir.display()
+                    )))
+                }
+                (Ok(Checked::Ready(plan)), Some(READY)) => {
+                    self.apply_checked(*plan)?;
+                    return Ok(Newest::Loaded(dir));
+                }
+                // Damaged here or on another rank: every rank moves on to the next older one.
+                (Ok(_), _) => {
+                    if newest_error.is_none() {
+                        newest_error = Some(format!(
+                            "{} is damaged on another rank (see its warning)",
+                            dir.display()
+                        ));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Every rank ends the search alike: the main process's outcome decides, so a rank that
+    /// saw no candidates (all but the main process) reports what the main process found.
+    fn agree_on_outcome(&self, mine: Newest) -> Result<Newest> {
+        // An empty message: nothing found; otherwise how many checkpoints, none sound.
+        let said = match &mine {
+            Newest::NoneSound(n, _) => (*n as u64).to_le_bytes().to_vec(),
+            _ => Vec::new(),
+        };
+        let main = self.comm().broadcast_bytes(said, 0)?;
+        Ok(match (mine, <[u8; 8]>::try_from(main.as_slice())) {
+            (n @ Newest::NoneSound(..), _) if self.is_main_process() => n,
+            (_, Ok(count)) => Newest::NoneSound(
+                u64::from_le_bytes(count) as usize,
+                "every one is damaged (see the main process's warnings)".into(),
+            ),
+            (_, Err(_)) => Newest::Empty,
+        })
+    }
+}

@@ -1,0 +1,270 @@
+//! Loading model weights and optimizer state saved in any layout (any number of processes,
+//! sharded or not) into this run's layout, and carrying each rank's own state (data positions,
+//! random streams) over to a run on another number of processes.
+//!
+//! The model and optimizer state carry over exactly: every element is copied from the saved
+//! run that holds it. A rank's own state cannot always: ranks that exist in both runs continue
+//! their saved random streams, new ranks keep the streams they started with, and data positions
+//! move by samples (the samples of the epoch all ranks had used are skipped; the rest of the
+//! epoch is split among the new ranks).
+
+use crate::accelerator::Accelerator;
+use crate::checkpoint::format::bad;
+use crate::checkpoint::layout::run_name;
+use crate::checkpoint::layout::Layout;
+use crate::checkpoint::layout::Runs;
+use crate::checkpoint::layout::Whole;
+use crate::checkpoint::names::Kind;
+use crate::checkpoint::plan::Assembled;
+use crate::checkpoint::RankState;
+use crate::error::Result;
+use crate::stateful::StateDict;
+use candle_core::{DType, Tensor};
+use serde_json::Value;
+use std::collections::BTreeSet;
+use std::path::Path;
+use std::path::PathBuf;
+
+impl Accelerator {
+    /// Elements `from..to` of model `i`'s flat parameter space that this process loads: its
+    /// slice under sharding, everything otherwise.
+    fn wanted_range(&self, i: usize) -> (usize, usize) {
+        let m = &self.training.models()[i];
+        match &m.shard {
+            Some(s) => (
+                s.plan.start,
+                s.plan.start + s.plan.counts[self.process_index()],
+            ),
+            None => (0, m.compute.iter().map(|v| v.elem_count()).sum()),
+        }
+    }
+
+    /// The saved ranks whose folders hold model or optimizer state this process loads.
+    pub(crate) fn source_ranks(&self, layout: &Layout) -> BTreeSet<usize> {
+        if !layout.is_sharded() {
+            return BTreeSet::from([0]);
+        }
+        (0..self.training.models().len())
+            .flat_map(|i| {
+                let (a, b) = self.wanted_range(i);
+                layout.ranks_holding(i, a, b)
+            })
+            .collect()
+    }
+
+    /// Puts the model and optimizer state of the saved ranks `states` (each read with at least
+    /// its `model_*` and `optimizer_*` components) into this run's layout, checking every name,
+    /// shape and dtype against the prepared objects. The tensors are moved out of `states`.
+    pub(crate) fn assemble(
+        &self,
+        dir: &Path,
+        layout: &Layout,
+        states: &mut [&mut RankState],
+    ) -> Result<Assembled> {
+        let files = |kind: &str| -> PathBuf {
+            let rank = if layout.is_sharded() {
+                "rank*"
+            } else {
+                "rank0"
+            };
+            dir.join(format!("{rank}/{kind}.safetensors"))
+        };
+        let mut models = Vec::with_capacity(self.training.models().len());
+        for i in 0..self.training.models().len() {
+            let name = Kind::Model.name(i);
+            let (mut runs, mut shapes) = (Runs::default(), Value::Null);
+            for s in states.iter_mut() {
+                if let Some(c) = s.components.iter_mut().find(|c| c.name == name) {
+                    runs.add(&files(&name), std::mem::take(&mut c.tensors))?;
+                    if shapes.is_null() {
+                        shapes = c.json["shapes"].clone();
+                    }
+                }
+            }
+            self.check_shapes(&files(&name), i, &shapes)?;
+            models.push(self.assemble_model(&files(&name), i, runs, layout)?);
+        }
+        let mut optimizers = Vec::with_capacity(self.training.optimizers().len());
+        for j in 0..self.training.optimizers().len() {
+            let name = Kind::Optimizer.name(j);
+            let (mut runs, mut json) = (Runs::default(), None);
+            for s in states.iter_mut() {
+                if let Some(c) = s.components.iter_mut().find(|c| c.name == name) {
+                    runs.add(&files(&name), std::mem::take(&mut c.tensors))?;
+                    json.get_or_insert_with(|| c.json.clone());
+                }
+            }
+            let json = json.ok_or_else(|| bad(dir, format!("has no `{name}`")))?;
+            optimizers.push(self.assemble_optimizer(&files(&name), runs, json)?);
+        }
+        Ok(Assembled { models, optimizers })
+    }
+
+    /// Refuses a sharded checkpoint whose recorded variable shapes differ from model `i`'s.
+    fn check_shapes(&self, file: &Path, i: usize, shapes: &Value) -> Result<()> {
+        let m = &self.training.models()[i];
+        for (name, v) in m.names.iter().zip(&m.compute) {
+            let Some(saved) = shapes.get(name) else {
+                continue;
+            };
+            let saved: Vec<usize> = serde_json::from_value(saved.clone()).map_err(|e| {
+                bad(
+                    file,
+                    format!("records a shape for `{name}` that cannot be read ({e})"),
+                )
+            })?;
+            if saved != v.dims() {
+                return Err(bad(
+                    file,
+                    format!(
+                        "has `{name}` with shape {saved:?} but the model's is {:?}; was it saved \
+                         by this model?",
+                        v.dims()
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn assemble_model(
+        &self,
+        file: &Path,
+        i: usize,
+        mut runs: Runs,
+        layout: &Layout,
+    ) -> Result<Vec<Tensor>> {
+        let m = &self.training.models()[i];
+        if let Some(extra) = runs.keys().into_iter().find(|k| !m.names.contains(k)) {
+            return Err(bad(
+                file,
+                format!(
+                    "has `{extra}`, which model {i} does not have: was it saved by this model?"
+                ),
+            ));
+        }
+        let total: usize = m.compute.iter().map(|v| v.elem_count()).sum();
+        if let Some(counts) = layout.counts.get(i).filter(|_| layout.is_sharded()) {
+            let saved: usize = counts.iter().sum();
+            if saved != total {
+                return Err(bad(
+                    file,
+                    format!(
+                        "holds a model of {saved} parameters but model {i} has {total}: was it \
+                         saved by this model?"
+                    ),
+                ));
+            }
+        }
+        match &m.shard {
+            None => m
+                .names
+                .iter()
+                .zip(&m.master)
+                .map(|(name, v)| {
+                    let whole = Whole {
+                        dims: v.dims(),
+                        dtype: v.dtype(),
+                    };
+                    let t = runs.take(file, name, 0, v.elem_count(), &whole)?;
+                    Ok(t.reshape(v.dims())?)
+                })
+                .collect(),
+            Some(s) => s
+                .plan
+                .pieces
+                .iter()
+                .map(|p| {
+                    let whole = Whole {
+                        dims: m.compute[p.param].dims(),
+                        dtype: DType::F32,
+                    };
+                    runs.take(file, &m.names[p.param], p.from, p.len, &whole)
+                })
+                .collect(),
+        }
+    }
+
+    /// An optimizer's saved state in this run's naming: `name::state` whole, or one
+    /// `name[from..to]::state` per piece of this process's slice.
+    fn assemble_optimizer(&self, file: &Path, mut runs: Runs, json: Value) -> Result<StateDict> {
+        let mut tensors = Vec::new();
+        for key in runs.keys() {
+            let Some((name, state)) = key.split_once("::") else {
+                return Err(bad(
+                    file,
+                    format!(
+                        "has `{key}`, which is not `variable::key`: was it saved by an ivme \
+                         optimizer?"
+                    ),
+                ));
+            };
+            let found = self.training.models().iter().find_map(|m| {
+                let k = m.names.iter().position(|n| n == name)?;
+                Some((m, k))
+            });
+            let Some((m, k)) = found else {
+                return Err(bad(
+                    file,
+                    format!(
+                        "has state for `{name}`, which no prepared model has: was it saved by \
+                         this model?"
+                    ),
+                ));
+            };
+            match &m.shard {
+                None => {
+                    let v = &m.master[k];
+                    let whole = Whole {
+                        dims: v.dims(),
+                        dtype: v.dtype(),
+                    };
+                    let t = runs.take(file, &key, 0, v.elem_count(), &whole)?;
+                    tensors.push((key.clone(), t.reshape(v.dims())?));
+                }
+                Some(s) => {
+                    let whole = Whole {
+                        dims: m.compute[k].dims(),
+                        dtype: DType::F32,
+                    };
+                    for p in s.plan.pieces.iter().filter(|p| p.param == k) {
+                        let t = runs.take(file, &key, p.from, p.len, &whole)?;
+                        tensors.push((format!("{}::{state}", run_name(name, p.from, p.len)), t));
+                    }
+                }
+            }
+        }
+        Ok(StateDict { tensors, json })
+    }
+
+    /// After a load into sharded models: every process's loaded slice is gathered into every
+    /// process's model weights. Every rank calls it, after all of them applied the load.
+    pub(crate) fn gather_loaded_slices(&self) -> Result<()> {
+        for m in self.training.models() {
+            if let Some(shard) = &m.shard {
+                shard.gather_into(&self.comm, &m.compute, None)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Says once, on the main process, what a load onto another number of processes cannot
+    /// carry over exactly.
+    pub(crate) fn warn_moved(&self, saved_world: usize) {
+        if self.is_main_process() {
+            warn_user!(
+                "warning: resuming a checkpoint of {saved_world} process(es) on {}: the \
+                 model and optimizer state carry over exactly and each data loader continues \
+                 with the samples of the epoch not yet used, but random streams are per process: \
+                 processes 0..{} continue the saved streams of the same ranks{} (docs/sharding.md)",
+                self.num_processes(),
+                saved_world.min(self.num_processes()),
+                if self.num_processes() > saved_world {
+                    ", the others keep the streams they started with"
+                } else {
+                    ", the other saved streams are dropped"
+                }
+            );
+        }
+    }
+}

@@ -1,0 +1,453 @@
+//! Loading training state all or nothing.
+//!
+//! [`Accelerator::check_checkpoint`] reads every file this rank needs (the model and optimizer
+//! state of the saved ranks that hold its part, in any layout; the loaders, RNG, scaler,
+//! partial sums and registered objects of the saved rank of the same index, or of rank 0 for a
+//! rank the saving run did not have) exactly once,
+//! checks each against the manifest's checksum on the bytes as they arrive (the tensors land
+//! straight in staging buffers), and parses and compares every piece with the live objects
+//! (component counts, tensor names, shapes and dtypes, the JSON of each position and state)
+//! without changing anything. Only when every rank's check passed does
+//! [`Accelerator::apply_plan`] change state, from memory (the disk is not read again, so a file
+//! changed after the check cannot leave anything half loaded): registered objects and
+//! optimizers first (each refusal undoes the ones already loaded), then the small pieces, and
+//! the model weights last. Staging costs one extra copy of the weights in memory until they
+//! are applied.
+
+use crate::accelerator::Accelerator;
+use crate::checkpoint::checks::check_scaler;
+use crate::checkpoint::format::bad;
+use crate::checkpoint::layout::Layout;
+use crate::checkpoint::names;
+use crate::checkpoint::names::Kind;
+use crate::checkpoint::plan::deep_copy;
+use crate::checkpoint::plan::state_of;
+use crate::checkpoint::plan::Assembled;
+use crate::checkpoint::plan::Checked;
+use crate::checkpoint::plan::Counts;
+use crate::checkpoint::plan::Plan;
+use crate::checkpoint::plan::Refusal;
+use crate::checkpoint::store;
+use crate::checkpoint::swap;
+use crate::checkpoint::RankState;
+use crate::data::LoaderPosition;
+use crate::data::LoopPosition;
+use crate::error::CheckpointErrorKind;
+use crate::error::{Error, Result};
+use crate::precision::scaler::LossScaler;
+use crate::rng::RngState;
+use crate::stateful::StateDict;
+use crate::stateful::Stateful;
+use candle_core::{DType, Tensor};
+use serde_json::Value;
+use std::collections::BTreeSet;
+use std::path::Path;
+
+impl Accelerator {
+    fn live_counts(&self) -> Counts {
+        Counts {
+            models: self.training.models().len(),
+            optimizers: self.training.optimizers().len(),
+            loaders: self.data.loaders().len(),
+            registered: self.checkpoints.registered().len(),
+        }
+    }
+
+    /// The component names saved rank `rank` holds, given the prepared objects: the models
+    /// and optimizers are on rank 0, or on every rank of a `sharded` layout.
+    fn expected_components(&self, rank: usize, sharded: bool) -> BTreeSet<String> {
+        let mut out = BTreeSet::from([names::RNG.to_string(), names::TRAINING.to_string()]);
+        let n = |kind: Kind, k: usize| (0..k).map(move |i| kind.name(i));
+        if rank == 0 || sharded {
+            out.extend(n(Kind::Model, self.training.models().len()));
+            out.extend(n(Kind::Optimizer, self.training.optimizers().len()));
+        }
+        out.extend(n(Kind::Loader, self.data.loaders().len()));
+        out.extend(n(Kind::Custom, self.checkpoints.registered().len()));
+        out
+    }
+
+    /// Refuses a saved rank's state whose components are not exactly the ones this run saves.
+    fn check_components(
+        &self,
+        dir: &Path,
+        rank: usize,
+        s: &RankState,
+        sharded: bool,
+    ) -> Result<()> {
+        let found: BTreeSet<String> = s.components.iter().map(|c| c.name.clone()).collect();
+        let want = self.expected_components(rank, sharded);
+        if found == want {
+            return Ok(());
+        }
+        let count = |kind: Kind| names::count(&found, kind);
+        let mut saved = Counts {
+            loaders: count(Kind::Loader),
+            registered: count(Kind::Custom),
+            ..Counts::default()
+        };
+        let mut live = self.live_counts();
+        if rank == 0 || sharded {
+            saved.models = count(Kind::Model);
+            saved.optimizers = count(Kind::Optimizer);
+        } else {
+            (live.models, live.optimizers) = (0, 0);
+        }
+        let msg = if saved != live {
+            format!(
+                "holds {} for rank {rank} but this run prepared {}; prepare and register the \
+                 same objects, in the same order, as the run that saved it before load_state",
+                saved.describe(),
+                live.describe()
+            )
+        } else {
+            let odd: Vec<&String> = found.symmetric_difference(&want).collect();
+            format!("has components {odd:?} for rank {rank} that this run does not save or expects but does not find; was it saved by this program?")
+        };
+        Err(bad(dir, msg))
+    }
+
+    /// Reads and checks everything this rank would load from `dir`; changes nothing.
+    pub(crate) fn check_checkpoint(&self, dir: &Path) -> Result<Plan> {
+        match self.classify_checkpoint(dir)? {
+            Checked::Ready(plan) => Ok(*plan),
+            Checked::Damaged(e) => Err(e),
+        }
+    }
+
+    /// [`check_checkpoint`](Self::check_checkpoint), telling a damaged checkpoint (a file
+    /// that does not match its manifest, which an older checkpoint may stand in for) from one
+    /// that is sound but does not fit this run (an error).
+    pub(crate) fn classify_checkpoint(&self, dir: &Path) -> Result<Checked> {
+        // The refusal decides the kind: a check against this run makes a sound checkpoint
+        // unfit, whatever helper worded it.
+        let nothing_loaded = |e: Error, as_kind: CheckpointErrorKind| match e {
+            Error::Checkpoint { path, msg, kind } => Error::Checkpoint {
+                path,
+                msg: format!("{msg} (nothing was loaded)"),
+                kind: if kind == CheckpointErrorKind::Damaged {
+                    as_kind
+                } else {
+                    kind
+                },
+            },
+            // A file the manifest lists that cannot be read makes the checkpoint damaged.
+            Error::Io { context, source } if as_kind == CheckpointErrorKind::Damaged => {
+                Error::checkpoint(
+                    dir,
+                    as_kind,
+                    format!("{context}: {source} (nothing was loaded)"),
+                )
+            }
+            other => other,
+        };
+        match self.plan_checkpoint(dir) {
+            Ok(plan) => Ok(Checked::Ready(Box::new(plan))),
+            Err(Refusal::Damaged(e)) => Ok(Checked::Damaged(nothing_loaded(
+                e,
+                CheckpointErrorKind::Damaged,
+            ))),
+            Err(Refusal::Unfit(e)) => Err(nothing_loaded(e, CheckpointErrorKind::Unfit)),
+        }
+    }
+
+    fn plan_checkpoint(&self, dir: &Path) -> std::result::Result<Plan, Refusal> {
+        let manifest = store::read_manifest(dir).map_err(Refusal::Damaged)?;
+        let layout = Layout::of(dir, &manifest).map_err(Refusal::Damaged)?;
+        let sharded = layout.is_sharded();
+        let rank = self.process_index();
+        let moved = manifest.world_size != self.num_processes();
+        // The saved rank whose own state (positions, RNG, registered objects) this rank takes.
+        let own = if rank < manifest.world_size { rank } else { 0 };
+        let sources = self.source_ranks(&layout);
+        let weights = names::is_weights;
+        // Every file is read once, here; the tensors wait in memory until every check passed.
+        let (mut mine, _) = store::read_rank_in(dir, &manifest, own, |c| {
+            sources.contains(&own) || !weights(c)
+        })
+        .map_err(Refusal::Damaged)?;
+        self.check_components(dir, own, &mine, sharded)?;
+        let mut others = Vec::new();
+        for &k in sources.iter().filter(|&&k| k != own) {
+            let (s, _) =
+                store::read_rank_in(dir, &manifest, k, weights).map_err(Refusal::Damaged)?;
+            self.check_components(dir, k, &s, sharded)?;
+            others.push(s);
+        }
+        let mut states: Vec<&mut RankState> = others.iter_mut().collect();
+        // This rank's own folder last: an optimizer's scalars come from the first that has it.
+        states.push(&mut mine);
+        let Assembled { models, optimizers } = self.assemble(dir, &layout, &mut states)?;
+        drop(others);
+        let file = |name: &str| dir.join(format!("rank{own}/{name}.json"));
+        let parse = |name: &str, what: &str| -> Result<Value> {
+            mine.get(name)
+                .map(|c| c.json.clone())
+                .ok_or_else(|| bad(&file(name), format!("is missing: it should hold {what}")))
+        };
+        let typed = |name: &str, what: &str, err: serde_json::Error| {
+            bad(&file(name), format!("is not {what} ({err})"))
+        };
+        let mut loaders = Vec::new();
+        for i in 0..self.data.loaders().len() {
+            let name = Kind::Loader.name(i);
+            let what = "a data loader position (epoch, seed, consumed)";
+            let pos: LoaderPosition =
+                serde_json::from_value(parse(&name, what)?).map_err(|e| typed(&name, what, e))?;
+            loaders.push(if moved { pos.for_new_world()? } else { pos });
+        }
+        let what = "an RNG state (a 32-byte seed and a word position)";
+        let rng: RngState = serde_json::from_value(parse(names::RNG, what)?)
+            .map_err(|e| typed(names::RNG, what, e))?;
+        let rng = (rank < manifest.world_size).then_some(rng);
+        let training = mine
+            .get(names::TRAINING)
+            .ok_or_else(|| bad(&file(names::TRAINING), "is missing"))?;
+        let auto_micro_step = training.json["auto_micro_step"].as_u64().ok_or_else(|| {
+            bad(
+                &file(names::TRAINING),
+                "has no `auto_micro_step` (a non-negative integer)",
+            )
+        })?;
+        let what = "a loss scaler (scale, growth_factor, backoff_factor, growth_interval, good_steps, skipped_steps) or null";
+        let scaler: Option<LossScaler> =
+            serde_json::from_value(training.json.get("scaler").cloned().unwrap_or(Value::Null))
+                .map_err(|e| {
+                    bad(
+                        &file(names::TRAINING),
+                        format!("`scaler` is not {what} ({e})"),
+                    )
+                })?;
+        check_scaler(
+            &file(names::TRAINING),
+            scaler.as_ref(),
+            self.mixed.scales_loss(),
+        )?;
+        // Absent from checkpoints written before the attribute's loops were resumable.
+        let what = "a loop position (pass, next)";
+        let macro_loop: Option<LoopPosition> = match training.json.get("macro_loop") {
+            None | Some(Value::Null) => None,
+            Some(v) => {
+                let p: LoopPosition = serde_json::from_value(v.clone()).map_err(|e| {
+                    bad(
+                        &file(names::TRAINING),
+                        format!("`macro_loop` is not {what} ({e})"),
+                    )
+                })?;
+                Some(if moved { p.for_new_world()? } else { p })
+            }
+        };
+        let sums_file = dir.join(format!("rank{own}/training.safetensors"));
+        if moved && !training.tensors.is_empty() {
+            return Err(Refusal::Unfit(bad(
+                &sums_file,
+                format!(
+                    "holds the partial gradient sums of an accumulation window saved mid-way; \
+                     they belong to the {} processes that saved them, so this checkpoint resumes \
+                     only on {} processes (`ivme launch --num_processes {}`); to move to another \
+                     number, save at the end of a window",
+                    manifest.world_size, manifest.world_size, manifest.world_size
+                ),
+            )));
+        }
+        let sums = self.check_sums(&sums_file, &training.tensors)?;
+        let mut custom = Vec::new();
+        for i in 0..self.checkpoints.registered().len() {
+            let name = Kind::Custom.name(i);
+            custom.push(state_of(&mine, &name).ok_or_else(|| bad(&file(&name), "is missing"))?);
+        }
+        Ok(Plan {
+            moved_from: moved.then_some(manifest.world_size),
+            dir: dir.to_path_buf(),
+            models,
+            optimizers,
+            loaders,
+            rng,
+            auto_micro_step,
+            macro_loop,
+            scaler,
+            sums,
+            custom,
+        })
+    }
+
+    /// Places each saved partial sum (`{model}::{variable}`) after checking it fits.
+    fn check_sums(
+        &self,
+        file: &Path,
+        saved: &[(String, Tensor)],
+    ) -> Result<Vec<Vec<Option<Tensor>>>> {
+        let mut out: Vec<Vec<Option<Tensor>>> = self
+            .training
+            .models()
+            .iter()
+            .map(|m| vec![None; m.names.len()])
+            .collect();
+        for (key, t) in saved {
+            let place = key.split_once("::").and_then(|(i, name)| {
+                let i: usize = i.parse().ok()?;
+                let j = self
+                    .training
+                    .models()
+                    .get(i)?
+                    .names
+                    .iter()
+                    .position(|n| n == name)?;
+                Some((i, j))
+            });
+            let Some((i, j)) = place else {
+                return Err(bad(
+                    file,
+                    format!(
+                        "holds a partial gradient sum `{key}` for no variable of this run's models"
+                    ),
+                ));
+            };
+            let master = &self.training.models()[i].master[j];
+            if t.dims() != master.dims() || t.dtype() != DType::F32 {
+                return Err(bad(
+                    file,
+                    format!("holds the partial gradient sum `{key}` as {:?} {:?} but the variable is F32 {:?}", t.dtype(), t.dims(), master.dims()),
+                ));
+            }
+            out[i][j] = Some(t.to_device(master.device())?);
+        }
+        Ok(out)
+    }
+
+    /// Applies a plan that every rank checked: all of it, or (when an object refuses its
+    /// state) none of it.
+    fn apply_plan(&mut self, plan: Plan) -> Result<()> {
+        let Plan {
+            dir,
+            models,
+            optimizers,
+            loaders,
+            rng,
+            auto_micro_step,
+            macro_loop,
+            scaler,
+            sums,
+            custom,
+            moved_from: _,
+        } = plan;
+        self.load_undoably(&dir, &custom, &optimizers)?;
+        for (shared, pos) in self.data.loaders().iter().zip(loaders) {
+            *shared.lock() = pos;
+        }
+        if let Some(rng) = rng {
+            *self.data.rng().lock() = crate::rng::Rng::from_state(rng);
+        }
+        self.training.window().set_auto_index(auto_micro_step);
+        if let Some(p) = macro_loop {
+            self.data.loop_cursor().lock().resume_from(p);
+        }
+        self.mixed.restore_scaler(scaler);
+        for (m, s) in self.training.models_mut().iter_mut().zip(sums) {
+            m.sums = s;
+        }
+        for (m, saved) in self.training.models().iter().zip(models) {
+            match &m.shard {
+                // The pieces of this process's slice; `gather_loaded_slices` fills the weights.
+                Some(shard) => {
+                    // Copied: a piece may be a view into a larger saved run.
+                    for (master, t) in shard.masters.iter().zip(saved) {
+                        master.set(&t)?;
+                    }
+                }
+                None => {
+                    for ((master, compute), t) in m.master.iter().zip(&m.compute).zip(saved) {
+                        swap::move_into(master, t)?;
+                        crate::precision::refresh_copy(compute, master)?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Applies a plan every rank checked, agrees on the outcome, and (sharded models) gathers
+    /// every process's loaded slice into the model weights.
+    pub(crate) fn apply_checked(&mut self, plan: Plan) -> Result<()> {
+        let moved_from = plan.moved_from;
+        let applied = self.apply_plan(plan);
+        self.agree("loading the checkpoint", applied)?;
+        self.gather_loaded_slices()?;
+        if let Some(saved_world) = moved_from {
+            self.warn_moved(saved_world);
+        }
+        Ok(())
+    }
+
+    /// Loads registered objects, then optimizers; if one refuses, the ones already loaded get
+    /// their previous state back. Only objects followed by another are copied for that, so a
+    /// single optimizer (the usual case) costs no extra memory.
+    fn load_undoably(
+        &mut self,
+        dir: &Path,
+        custom: &[StateDict],
+        optimizers: &[StateDict],
+    ) -> Result<()> {
+        let mut undo_custom: Vec<(usize, StateDict)> = Vec::new();
+        let mut undo_opt: Vec<(usize, StateDict)> = Vec::new();
+        let total = custom.len() + optimizers.len();
+        let mut result = Ok(());
+        for (k, state) in custom.iter().chain(optimizers).enumerate() {
+            let (is_custom, i) = if k < custom.len() {
+                (true, k)
+            } else {
+                (false, k - custom.len())
+            };
+            let target: &mut dyn Stateful = if is_custom {
+                &mut *self.checkpoints.registered_mut()[i]
+            } else {
+                &mut *self.training.optimizers_mut()[i]
+            };
+            let before = if k + 1 < total {
+                // ivme's optimizers hand out copies already; other objects may hand out views.
+                let snapshot = if is_custom {
+                    target.state_dict().and_then(deep_copy)
+                } else {
+                    target.state_dict()
+                };
+                match snapshot {
+                    Ok(b) => Some(b),
+                    Err(e) => {
+                        result = Err(e);
+                        break;
+                    }
+                }
+            } else {
+                None
+            };
+            if let Err(e) = target.load_state_dict(state) {
+                let what = if is_custom {
+                    format!("registered object {i} ({})", Kind::Custom.name(i))
+                } else {
+                    format!("optimizer {i}")
+                };
+                result = Err(bad(
+                    dir,
+                    format!("was refused by {what}: {e} (nothing was loaded)"),
+                ));
+                break;
+            }
+            if let Some(b) = before {
+                if is_custom {
+                    undo_custom.push((i, b))
+                } else {
+                    undo_opt.push((i, b))
+                }
+            }
+        }
+        if result.is_err() {
+            for (i, s) in undo_opt.iter().rev() {
+                let _ = self.training.optimizers_mut()[*i].load_state_dict(s);
+            }
+            for (i, s) in undo_custom.iter().rev() {
+                let _ = self.checkpoints.registered_mut()[*i].load_state_dict(s);
+            }
+        }
+        result
+    }
+}

@@ -1,0 +1,127 @@
+//! What a load has found and will apply: the [`Plan`] a checkpoint is checked into before
+//! anything changes, the models' and optimizers' state [`Assembled`] in this run's layout, and
+//! the outcome of the search for the [`Newest`] sound checkpoint. The protocol that fills them
+//! is the facade's (`accelerator/restore.rs`, `reshard.rs`, `newest.rs`).
+
+use crate::checkpoint::store::RankState;
+use crate::data::LoaderPosition;
+use crate::data::LoopPosition;
+use crate::error::{Error, Result};
+use crate::precision::scaler::LossScaler;
+use crate::rng::RngState;
+use crate::stateful::StateDict;
+use candle_core::Tensor;
+use std::path::{Path, PathBuf};
+
+/// Everything a load will apply, already read, parsed and checked.
+pub(crate) struct Plan {
+    pub(crate) dir: PathBuf,
+    /// Per model: its saved weights in this run's layout, already checked against the live
+    /// variables (see [`Assembled`]).
+    pub(crate) models: Vec<Vec<Tensor>>,
+    pub(crate) optimizers: Vec<StateDict>,
+    pub(crate) loaders: Vec<LoaderPosition>,
+    /// `None` for a rank the saving run did not have: it keeps its own stream.
+    pub(crate) rng: Option<RngState>,
+    pub(crate) auto_micro_step: u64,
+    /// Where the attribute's loops over plain collections stood.
+    pub(crate) macro_loop: Option<LoopPosition>,
+    pub(crate) scaler: Option<LossScaler>,
+    /// Per model, per variable: the partial gradient sum of a window saved mid-way.
+    pub(crate) sums: Vec<Vec<Option<Tensor>>>,
+    pub(crate) custom: Vec<StateDict>,
+    /// The saving run's number of processes, when it differs from this run's.
+    pub(crate) moved_from: Option<usize>,
+}
+
+/// What the facade's `classify_checkpoint` found.
+pub(crate) enum Checked {
+    /// Everything read, checked and ready to apply.
+    Ready(Box<Plan>),
+    /// A file does not match the manifest (size, checksum, format): the checkpoint is damaged.
+    Damaged(Error),
+}
+
+/// Why a plan could not be made: the checkpoint is damaged, or it does not fit this run.
+pub(crate) enum Refusal {
+    Damaged(Error),
+    Unfit(Error),
+}
+
+impl From<Error> for Refusal {
+    fn from(e: Error) -> Self {
+        Refusal::Unfit(e)
+    }
+}
+
+pub(crate) fn state_of(s: &RankState, name: &str) -> Option<StateDict> {
+    s.get(name).map(|c| StateDict {
+        tensors: c.tensors.clone(),
+        json: c.json.clone(),
+    })
+}
+
+/// A copy that shares no storage with the live object, to undo a load with.
+pub(crate) fn deep_copy(s: StateDict) -> Result<StateDict> {
+    let tensors = s
+        .tensors
+        .into_iter()
+        .map(|(n, t)| Ok((n, t.copy()?)))
+        .collect::<Result<Vec<_>>>()?;
+    Ok(StateDict {
+        tensors,
+        json: s.json,
+    })
+}
+
+/// Counts of each kind of component, for comparing a checkpoint with the prepared objects.
+#[derive(Debug, PartialEq, Eq, Default)]
+pub(crate) struct Counts {
+    pub(crate) models: usize,
+    pub(crate) optimizers: usize,
+    pub(crate) loaders: usize,
+    pub(crate) registered: usize,
+}
+
+impl Counts {
+    pub(crate) fn describe(&self) -> String {
+        format!(
+            "{} model(s), {} optimizer(s), {} data loader(s) and {} registered object(s)",
+            self.models, self.optimizers, self.loaders, self.registered
+        )
+    }
+}
+
+/// What the newest sound checkpoint search found.
+pub(crate) enum Newest {
+    /// This checkpoint was loaded.
+    Loaded(PathBuf),
+    /// The folder holds no checkpoint.
+    Empty,
+    /// There are checkpoints, but every one is damaged: how many, and the newest one's problem
+    /// (known on the main process; the others get a pointer to its message).
+    NoneSound(usize, String),
+}
+
+/// How a rank's check of a checkpoint ended, as ranks exchange it.
+pub(crate) const READY: u8 = 0;
+pub(crate) const DAMAGED: u8 = 1;
+pub(crate) const FAILED: u8 = 2;
+
+/// Warns that `dir` is skipped for `e`, remembering the newest problem.
+pub(crate) fn skip(dir: &Path, e: &Error, newest: &mut Option<String>) {
+    warn_user!(
+        "warning: skipping damaged checkpoint {}: {e}",
+        dir.display()
+    );
+    newest.get_or_insert_with(|| e.to_string());
+}
+
+/// What the models and optimizers get from a checkpoint, in this run's layout.
+pub(crate) struct Assembled {
+    /// Per model: one tensor per variable (unsharded, in name order) or per piece of this
+    /// process's slice (sharded, in flat order).
+    pub models: Vec<Vec<Tensor>>,
+    /// Per optimizer: its state, named as its prepared slot names its variables.
+    pub optimizers: Vec<StateDict>,
+}

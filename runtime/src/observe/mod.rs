@@ -1,0 +1,8 @@
+//! Seeing a run: metrics gathered across processes, output once, progress bars, held memory
+//! and experiment trackers.
+
+pub mod logging;
+pub mod memory;
+pub mod metrics;
+pub mod progress;
+pub mod tracking;

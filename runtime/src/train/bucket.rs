@@ -1,0 +1,358 @@
+//! The gradient sync's buckets: the layout of a model's gradients in flat buffers, and the
+//! host buffers that carry them across processes without allocating.
+//!
+//! Every rank lays the gradients out alike: variables in name order, cut into buckets of at
+//! most `bucket_bytes` (a variable larger than a bucket travels alone). On the CPU one send
+//! and one receive buffer, sized once for the largest bucket, carry every bucket of every step:
+//! a gradient is copied into the send buffer, the buffers are reduced, and the mean comes back
+//! into the gradient's own storage (the window's sum, which nothing else holds), so a step of
+//! the sync allocates no buffer and no tensor. Gradients elsewhere (a GPU) or in another form
+//! take the general path, [`all_reduce_bucketed`].
+
+use std::cell::{Cell, RefCell};
+use std::ops::Range;
+
+use candle_core::backend::BackendStorage;
+use candle_core::backprop::GradStore;
+use candle_core::{CpuStorage, DType, InplaceOp1, Layout, Tensor, Var};
+
+use crate::comm::{Communicator, ReduceOp};
+use crate::error::Result;
+
+/// Cuts variables of `sizes` elements (f32) into consecutive buckets of at most `bucket_bytes`
+/// each; a variable larger than a bucket is a bucket of its own.
+pub(crate) fn cut(
+    sizes: impl IntoIterator<Item = usize>,
+    bucket_bytes: usize,
+) -> Vec<Range<usize>> {
+    let mut out = Vec::new();
+    let (mut start, mut bytes) = (0, 0usize);
+    let mut end = 0;
+    for n in sizes {
+        let b = n * 4;
+        if end > start && bytes + b > bucket_bytes {
+            out.push(start..end);
+            (start, bytes) = (end, 0);
+        }
+        bytes += b;
+        end += 1;
+    }
+    if end > start {
+        out.push(start..end);
+    }
+    out
+}
+
+/// Averages `grads` across processes with one collective per bucket of at most
+/// `bucket_bytes` (a tensor larger than a bucket travels alone).
+///
+/// `position` says where this rank's data stands (see
+/// [`GradientState::position`](crate::train::grads::GradientState::position)); every rank must pass
+/// the same value, or the sync fails on every rank instead of averaging gradients of
+/// different batches.
+pub fn all_reduce_bucketed(
+    comm: &dyn Communicator,
+    grads: &mut [Tensor],
+    bucket_bytes: usize,
+    position: u64,
+) -> Result<()> {
+    let sizes: Vec<usize> = grads.iter().map(Tensor::elem_count).collect();
+    for bucket in cut(sizes, bucket_bytes) {
+        let (start, end) = (bucket.start, bucket.end);
+        let flat: Vec<Tensor> = grads[start..end]
+            .iter()
+            .map(|g| g.flatten_all())
+            .collect::<candle_core::Result<_>>()?;
+        let flat = if flat.len() == 1 {
+            flat[0].clone()
+        } else {
+            Tensor::cat(&flat, 0)?
+        };
+        let reduced = comm.all_reduce_checked(&flat, ReduceOp::Mean, position)?;
+        let mut offset = 0;
+        for g in &mut grads[start..end] {
+            let n = g.elem_count();
+            *g = reduced.narrow(0, offset, n)?.reshape(g.shape())?;
+            offset += n;
+        }
+    }
+    Ok(())
+}
+
+/// What the unpacking of a reduced bucket does to each value: `x * inv_world`, then the
+/// loss-scale undone as candle's `tensor * f64` would (`y * s + 0`), so the result is bit for bit
+/// the tensor path's.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Finish {
+    /// `1 / world size`, as the mean's f32 factor.
+    pub inv_world: f32,
+    /// The f32 factor that undoes the loss scale, when there is one.
+    pub inv_scale: Option<f32>,
+}
+
+/// The persistent buffers and layout of one prepared model's gradient sync.
+#[derive(Debug, Default)]
+pub(crate) struct SyncBuffers {
+    // The bucket size the layout was cut for, and the buckets (ranges of variable indices).
+    layout: Option<(usize, Vec<Range<usize>>)>,
+    send: Vec<f32>,
+    recv: Vec<f32>,
+    // Scratch for the aliasing check: (start, end) addresses of every gradient's data.
+    spans: Vec<(usize, usize)>,
+}
+
+impl SyncBuffers {
+    /// The bytes its send and receive buffers hold.
+    pub(crate) fn bytes(&self) -> usize {
+        (self.send.capacity() + self.recv.capacity()) * std::mem::size_of::<f32>()
+    }
+
+    /// Whether every gradient of the window can take the allocation-free path: on the CPU,
+    /// f32, contiguous, and no two sharing memory (so that writing one cannot change another).
+    pub fn fits(&mut self, sums: &[Option<Tensor>]) -> bool {
+        self.spans.clear();
+        for t in sums.iter().flatten() {
+            if !t.device().is_cpu() || t.dtype() != DType::F32 || !t.is_contiguous() {
+                return false;
+            }
+            let (storage, layout) = t.storage_and_layout();
+            let candle_core::Storage::Cpu(CpuStorage::F32(data)) = &*storage else {
+                return false;
+            };
+            let Some((a, b)) = layout.contiguous_offsets() else {
+                return false;
+            };
+            let base = data.as_ptr() as usize;
+            self.spans.push((base + 4 * a, base + 4 * b));
+        }
+        self.spans.sort_unstable();
+        self.spans.windows(2).all(|w| w[0].1 <= w[1].0)
+    }
+
+    /// Averages the window's sums across processes bucket by bucket through the persistent
+    /// buffers, writes each mean (unscaled) back into its sum, and moves the sums into `store`
+    /// keyed by master variable. Returns whether any value is inf/NaN (when `check_overflow`).
+    ///
+    /// Call only after [`fits`](Self::fits) said yes for these `sums`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn sync(
+        &mut self,
+        comm: &dyn Communicator,
+        sums: &mut [Option<Tensor>],
+        master: &[Var],
+        position: u64,
+        bucket_bytes: usize,
+        finish: Finish,
+        check_overflow: bool,
+        store: &mut GradStore,
+    ) -> Result<bool> {
+        if self.layout.as_ref().is_none_or(|(b, _)| *b != bucket_bytes) {
+            let buckets = cut(master.iter().map(|v| v.elem_count()), bucket_bytes);
+            let largest = buckets
+                .iter()
+                .map(|r| {
+                    master[r.clone()]
+                        .iter()
+                        .map(|v| v.elem_count())
+                        .sum::<usize>()
+                })
+                .max()
+                .unwrap_or(0);
+            self.send = vec![0.0; largest];
+            self.recv = vec![0.0; largest];
+            self.layout = Some((bucket_bytes, buckets));
+        }
+        let Some((_, buckets)) = &self.layout else {
+            unreachable!("laid out above")
+        };
+        let mut overflow = false;
+        for bucket in buckets {
+            let mut len = 0;
+            for (sum, var) in sums[bucket.clone()].iter().zip(&master[bucket.clone()]) {
+                let n = var.elem_count();
+                let dst = &mut self.send[len..len + n];
+                match sum {
+                    Some(t) => t.inplace_op1(&CopyOut(RefCell::new(dst)))?,
+                    // Every rank sends the same layout: a variable no loss reached sends zeros.
+                    None => dst.fill(0.0),
+                }
+                len += n;
+            }
+            comm.all_reduce_sum_into(&self.send[..len], &mut self.recv[..len], position)?;
+            let mut offset = 0;
+            for (sum, var) in sums[bucket.clone()].iter_mut().zip(&master[bucket.clone()]) {
+                let n = var.elem_count();
+                if let Some(t) = sum.take() {
+                    let op = CopyIn {
+                        src: &self.recv[offset..offset + n],
+                        finish,
+                        check: check_overflow && !overflow,
+                        non_finite: Cell::new(false),
+                    };
+                    t.inplace_op1(&op)?;
+                    overflow |= op.non_finite.get();
+                    store.insert(var.as_tensor(), t);
+                }
+                offset += n;
+            }
+        }
+        Ok(overflow)
+    }
+}
+
+/// The f32 data of a contiguous CPU storage, as `layout` addresses it.
+fn f32_slice<'a>(
+    storage: &'a mut CpuStorage,
+    layout: &Layout,
+    name: &str,
+) -> candle_core::Result<&'a mut [f32]> {
+    let CpuStorage::F32(data) = storage else {
+        candle_core::bail!(
+            "{name}: expected an f32 gradient, found {:?}",
+            storage.dtype()
+        )
+    };
+    let Some((a, b)) = layout.contiguous_offsets() else {
+        candle_core::bail!("{name}: expected a contiguous gradient")
+    };
+    Ok(&mut data[a..b])
+}
+
+/// Copies a gradient's values into a slice of the send buffer (it only reads the storage).
+struct CopyOut<'a>(RefCell<&'a mut [f32]>);
+
+impl InplaceOp1 for CopyOut<'_> {
+    fn name(&self) -> &'static str {
+        "ivme-gradient-pack"
+    }
+
+    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
+        let src = f32_slice(storage, layout, self.name())?;
+        let mut dst = self.0.borrow_mut();
+        if src.len() != dst.len() {
+            candle_core::bail!("ivme-gradient-pack: {} values for {}", src.len(), dst.len())
+        }
+        dst.copy_from_slice(src);
+        Ok(())
+    }
+}
+
+/// Writes a reduced slice, finished (mean, unscaled), into a gradient's own storage.
+struct CopyIn<'a> {
+    src: &'a [f32],
+    finish: Finish,
+    check: bool,
+    non_finite: Cell<bool>,
+}
+
+impl InplaceOp1 for CopyIn<'_> {
+    fn name(&self) -> &'static str {
+        "ivme-gradient-unpack"
+    }
+
+    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
+        let dst = f32_slice(storage, layout, self.name())?;
+        if self.src.len() != dst.len() {
+            candle_core::bail!(
+                "ivme-gradient-unpack: {} values for {}",
+                self.src.len(),
+                dst.len()
+            )
+        }
+        let Finish {
+            inv_world,
+            inv_scale,
+        } = self.finish;
+        // One plain loop per case, so that it vectorises.
+        match inv_scale {
+            Some(s) => {
+                for (d, &x) in dst.iter_mut().zip(self.src) {
+                    *d = (x * inv_world) * s + 0.0;
+                }
+            }
+            None => {
+                for (d, &x) in dst.iter_mut().zip(self.src) {
+                    *d = x * inv_world;
+                }
+            }
+        }
+        if self.check && !dst.iter().all(|v| v.is_finite()) {
+            self.non_finite.set(true);
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_hold_at_most_their_bytes_and_big_variables_travel_alone() {
+        assert_eq!(cut([10, 10, 10], 80), vec![0..2, 2..3]);
+        assert_eq!(cut([100, 1, 1], 80), vec![0..1, 1..3]);
+        assert_eq!(cut([1, 100, 1], 80), vec![0..1, 1..2, 2..3]);
+        assert_eq!(cut(Vec::<usize>::new(), 80), Vec::<Range<usize>>::new());
+    }
+
+    #[test]
+    fn gradients_sharing_memory_take_the_general_path() -> Result<()> {
+        let d = candle_core::Device::Cpu;
+        let a = Tensor::arange(0f32, 8.0, &d)?;
+        let b = Tensor::arange(0f32, 4.0, &d)?;
+        let mut bufs = SyncBuffers::default();
+        assert!(bufs.fits(&[Some(a.clone()), None, Some(b)]));
+        let view = a.narrow(0, 2, 3)?;
+        assert!(!bufs.fits(&[Some(a.clone()), Some(view)]));
+        assert!(!bufs.fits(&[Some(a.to_dtype(DType::F16)?)]));
+        assert!(!bufs.fits(&[Some(a.reshape((2, 4))?.t()?)]));
+        Ok(())
+    }
+
+    #[test]
+    fn one_process_sync_writes_the_finished_values_into_the_sums() -> Result<()> {
+        let d = candle_core::Device::Cpu;
+        let vars = [
+            Var::zeros(3, DType::F32, &d)?,
+            Var::zeros(2, DType::F32, &d)?,
+        ];
+        let g0 = Tensor::new(&[1f32, -2.0, 4.0], &d)?;
+        let mut sums = vec![Some(g0.clone()), None];
+        let mut bufs = SyncBuffers::default();
+        assert!(bufs.fits(&sums));
+        let mut store = GradStore::default();
+        let finish = Finish {
+            inv_world: 0.5,
+            inv_scale: Some(0.25),
+        };
+        let comm = crate::comm::SingleComm;
+        let of = bufs.sync(
+            &comm,
+            &mut sums,
+            &vars,
+            0,
+            1 << 20,
+            finish,
+            true,
+            &mut store,
+        )?;
+        assert!(!of);
+        let reference = ((Tensor::new(&[1f32, -2.0, 4.0], &d)? * 0.5)? * 0.25)?;
+        let got = store.get(vars[0].as_tensor()).unwrap();
+        assert_eq!(got.to_vec1::<f32>()?, reference.to_vec1::<f32>()?);
+        assert!(store.get(vars[1].as_tensor()).is_none());
+        assert!(sums.iter().all(Option::is_none));
+        let mut sums = vec![Some(Tensor::new(&[f32::INFINITY, 0.0, 0.0], &d)?), None];
+        assert!(bufs.sync(
+            &comm,
+            &mut sums,
+            &vars,
+            0,
+            1 << 20,
+            finish,
+            true,
+            &mut store
+        )?);
+        Ok(())
+    }
+}

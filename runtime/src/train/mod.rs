@@ -1,0 +1,10 @@
+//! The training step's parts below the facade: the prepared models' parameters and window
+//! sums, the buckets they are averaged in, the gradient-sync strategies (replicated and
+//! sharded), and buffers.
+
+pub(crate) mod bucket;
+pub(crate) mod buffers;
+pub mod grads;
+pub(crate) mod shard;
+pub(crate) mod sync;
+pub(crate) mod training;

@@ -1,0 +1,418 @@
+//! ZeRO-style sharding of the training state, stages 1 and 2.
+//!
+//! The parameters of a prepared model, in name order (the order of the gradient buckets), are
+//! one flat space of `N` elements, cut into one contiguous slice per process: process `r` owns
+//! elements `N·r/W .. N·(r+1)/W`. It keeps f32 master weights and optimizer state for its slice
+//! only, as *pieces* (the runs of each parameter inside the slice, a flat f32 variable each).
+//! At the end of an accumulation window the Accelerator's `backward`:
+//!
+//! 1. averages the gradients: whole, as in plain data parallelism (stage 1), or
+//!    reduce-scattered so each process receives only its slice's mean (stage 2);
+//! 2. agrees on the fp16 overflow flag and the global gradient norm with one small all-reduce
+//!    of this process's partial sums (only when clipping or fp16 needs them);
+//! 3. unless the step overflowed: clips, steps the prepared optimizer over the pieces, and
+//!    all-gathers the updated slices into every process's model weights.
+//!
+//! The step happens inside `backward` (as DeepSpeed's engine does under Accelerate), so the
+//! prepared optimizer's `step` is a no-op for a sharded model; the loop is unchanged.
+
+use crate::comm::Communicator;
+use crate::error::Result;
+use crate::setup::config::Sharding;
+use crate::train::grads::ParamSet;
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Tensor, Var};
+
+/// A run of one parameter's elements inside this process's slice.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Piece {
+    /// The parameter's index in name order.
+    pub param: usize,
+    /// The run's first element within the parameter (flattened).
+    pub from: usize,
+    /// How many elements it has.
+    pub len: usize,
+}
+
+/// The flat parameter space cut into one slice per process, and this process's pieces.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Plan {
+    /// Elements of each parameter, in name order.
+    pub sizes: Vec<usize>,
+    /// Each parameter's first element in the flat space.
+    pub offsets: Vec<usize>,
+    /// Elements of each process's slice (they differ by at most one).
+    pub counts: Vec<usize>,
+    /// This process's first element.
+    pub start: usize,
+    /// This process's pieces, in flat order.
+    pub pieces: Vec<Piece>,
+}
+
+impl Plan {
+    /// Cuts parameters of `sizes` elements across `world` processes, seen from `rank`.
+    pub fn new(sizes: &[usize], world: usize, rank: usize) -> Plan {
+        let total: usize = sizes.iter().sum();
+        let bound = |r: usize| total * r / world;
+        let counts = (0..world).map(|r| bound(r + 1) - bound(r)).collect();
+        let (start, end) = (bound(rank), bound(rank + 1));
+        let mut offsets = Vec::with_capacity(sizes.len());
+        let mut pieces = Vec::new();
+        let mut at = 0;
+        for (param, &n) in sizes.iter().enumerate() {
+            offsets.push(at);
+            let (lo, hi) = (start.max(at), end.min(at + n));
+            if lo < hi {
+                pieces.push(Piece {
+                    param,
+                    from: lo - at,
+                    len: hi - lo,
+                });
+            }
+            at += n;
+        }
+        Plan {
+            sizes: sizes.to_vec(),
+            offsets,
+            counts,
+            start,
+            pieces,
+        }
+    }
+}
+
+/// Steps the prepared optimizer over a sharded model's pieces.
+pub(crate) type Stepper = Box<dyn FnMut(&GradStore) -> Result<()>>;
+
+/// The sharded part of a prepared model: its plan, this process's masters and the optimizer.
+pub(crate) struct Sharded {
+    pub stage: Sharding,
+    pub plan: Plan,
+    /// The f32 master of each piece, a flat variable of the piece's length.
+    pub masters: Vec<Var>,
+    /// The prepared optimizer over `masters`, once there is one.
+    pub stepper: Option<Stepper>,
+}
+
+impl std::fmt::Debug for Sharded {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sharded")
+            .field("stage", &self.stage)
+            .field("plan", &self.plan)
+            .field("stepper", &self.stepper.is_some())
+            .finish()
+    }
+}
+
+/// A flat f32 variable holding exactly `t`'s elements (no view into a larger storage).
+fn own_copy(t: &Tensor, device: &Device) -> Result<Var> {
+    let v: Vec<f32> = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+    let n = v.len();
+    Ok(Var::from_tensor(&Tensor::from_vec(v, n, device)?)?)
+}
+
+impl Sharded {
+    /// This process's slice of `full` (each parameter's whole f32 value), as new masters.
+    pub fn new(stage: Sharding, plan: Plan, full: &[Tensor]) -> Result<Sharded> {
+        let masters = plan
+            .pieces
+            .iter()
+            .map(|p| {
+                let t = &full[p.param];
+                own_copy(&t.flatten_all()?.narrow(0, p.from, p.len)?, t.device())
+            })
+            .collect::<Result<_>>()?;
+        Ok(Sharded {
+            stage,
+            plan,
+            masters,
+            stepper: None,
+        })
+    }
+
+    /// Takes the masters from the model's current weights again (after `load_model`).
+    pub fn reslice(&self, compute: &[Var]) -> Result<()> {
+        for (p, m) in self.plan.pieces.iter().zip(&self.masters) {
+            let t = compute[p.param].as_tensor().flatten_all()?;
+            m.set(&t.narrow(0, p.from, p.len)?.to_dtype(DType::F32)?)?;
+        }
+        Ok(())
+    }
+
+    /// Every parameter's whole f32 master, put together from every process's slice (a
+    /// collective: every process calls it).
+    pub(crate) fn gathered(&self, comm: &dyn Communicator, compute: &[Var]) -> Result<Vec<Tensor>> {
+        let mut mine = Vec::with_capacity(self.plan.counts[comm.rank()] * 4);
+        for m in &self.masters {
+            for x in m.as_tensor().to_vec1::<f32>()? {
+                mine.extend_from_slice(&x.to_le_bytes());
+            }
+        }
+        let total: usize = self.plan.counts.iter().sum();
+        let mut whole = vec![0u8; total * 4];
+        comm.all_gather_into(&mine, &mut whole, &self.plan.counts, 4)?;
+        compute
+            .iter()
+            .enumerate()
+            .map(|(i, var)| {
+                let at = self.plan.offsets[i] * 4;
+                let values: Vec<f32> = whole[at..at + self.plan.sizes[i] * 4]
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .collect();
+                Ok(Tensor::from_vec(values, var.shape(), var.device())?)
+            })
+            .collect()
+    }
+
+    /// Writes every process's updated slice into the model's weights. Weights in bf16/f16
+    /// travel at their own size, half of f32's: each process rounds its own slice, which gives
+    /// the values the f32 gather would have rounded to. Variables flagged in `skip` (a model's
+    /// buffers, which hold their own value) keep it, and their dtype does not count.
+    pub(crate) fn gather_into(
+        &self,
+        comm: &dyn Communicator,
+        compute: &[Var],
+        skip: Option<&[bool]>,
+    ) -> Result<()> {
+        let skipped = |i: usize| skip.is_some_and(|s| s[i]);
+        let mut weights = compute.iter().enumerate().filter(|(i, _)| !skipped(*i));
+        let dtype = weights
+            .clone()
+            .next()
+            .map_or(DType::F32, |(_, v)| v.dtype());
+        let half =
+            matches!(dtype, DType::BF16 | DType::F16) && weights.all(|(_, v)| v.dtype() == dtype);
+        if !half {
+            for (i, (var, t)) in compute
+                .iter()
+                .zip(self.gathered(comm, compute)?)
+                .enumerate()
+            {
+                if !skipped(i) {
+                    var.set(&t.to_dtype(var.dtype())?)?;
+                }
+            }
+            return Ok(());
+        }
+        let mut mine = Vec::with_capacity(self.plan.counts[comm.rank()] * 2);
+        for m in &self.masters {
+            half_bytes(&m.as_tensor().to_dtype(dtype)?, &mut mine)?;
+        }
+        let total: usize = self.plan.counts.iter().sum();
+        let mut whole = vec![0u8; total * 2];
+        comm.all_gather_into(&mine, &mut whole, &self.plan.counts, 2)?;
+        for (i, var) in compute.iter().enumerate().filter(|(i, _)| !skipped(*i)) {
+            let at = self.plan.offsets[i] * 2;
+            let bytes = &whole[at..at + self.plan.sizes[i] * 2];
+            var.set(&Tensor::from_raw_buffer(
+                bytes,
+                dtype,
+                var.dims(),
+                var.device(),
+            )?)?;
+        }
+        Ok(())
+    }
+}
+
+/// Appends the little-endian bytes of a bf16 or f16 tensor's elements.
+fn half_bytes(t: &Tensor, out: &mut Vec<u8>) -> Result<()> {
+    match t.dtype() {
+        DType::BF16 => out.extend(
+            t.flatten_all()?
+                .to_vec1::<half::bf16>()?
+                .iter()
+                .flat_map(|x| x.to_le_bytes()),
+        ),
+        _ => out.extend(
+            t.flatten_all()?
+                .to_vec1::<half::f16>()?
+                .iter()
+                .flat_map(|x| x.to_le_bytes()),
+        ),
+    }
+    Ok(())
+}
+
+/// What a sharded sync leaves for the step: the pieces' gradients and the partial sums the
+/// processes still have to agree on.
+pub(crate) struct Partial {
+    pub(crate) overflow: bool,
+    pub(crate) squares: f64,
+}
+
+impl ParamSet {
+    /// Ends the window for a sharded model: the mean gradient of each of this process's
+    /// pieces into `store` (keyed by the piece masters), and this process's share of the
+    /// overflow check and (with `want_norm`, for clipping) of the squared norm.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn take_sharded(
+        &mut self,
+        comm: &dyn Communicator,
+        position: u64,
+        bucket_bytes: usize,
+        inv_scale: f64,
+        check_overflow: bool,
+        want_norm: bool,
+        store: &mut GradStore,
+    ) -> Result<Partial> {
+        let stage = self.shard.as_ref().map(|s| s.stage);
+        let mut partial = Partial {
+            overflow: false,
+            squares: 0.0,
+        };
+        if stage == Some(Sharding::Optimizer) {
+            // Whole gradients, averaged as in plain data parallelism; then this rank's pieces.
+            let mut full = GradStore::default();
+            partial.overflow = self.take_synced(
+                comm,
+                position,
+                bucket_bytes,
+                inv_scale,
+                check_overflow,
+                &mut full,
+            )?;
+            let shard = self.shard.as_ref().expect("a sharded model");
+            for (p, m) in shard.plan.pieces.iter().zip(&shard.masters) {
+                if let Some(g) = full.get(self.master[p.param].as_tensor()) {
+                    let g = g.flatten_all()?.narrow(0, p.from, p.len)?;
+                    if want_norm {
+                        partial.squares += g.sqr()?.sum_all()?.to_scalar::<f32>()? as f64;
+                    }
+                    store.insert(m.as_tensor(), g);
+                }
+            }
+            return Ok(partial);
+        }
+        // Stage 2: every rank sends its whole window sum and receives its slice's sum.
+        let world = comm.world_size();
+        let present: Vec<bool> = self.sums.iter().map(Option::is_some).collect();
+        let shard = self.shard.as_ref().expect("a sharded model");
+        let total: usize = shard.plan.sizes.iter().sum();
+        let mut send = Vec::with_capacity(total);
+        for (sum, &n) in self.sums.iter_mut().zip(&shard.plan.sizes) {
+            match sum.take() {
+                Some(g) => send.extend(g.flatten_all()?.to_vec1::<f32>()?),
+                None => send.resize(send.len() + n, 0.0),
+            }
+        }
+        let mut mine = vec![0f32; shard.plan.counts[comm.rank()]];
+        comm.reduce_scatter_sum_into(&send, &mut mine, &shard.plan.counts, position)?;
+        drop(send);
+        let factor = (inv_scale / world as f64) as f32;
+        let mut at = 0;
+        for (p, m) in shard.plan.pieces.iter().zip(&shard.masters) {
+            let run: Vec<f32> = mine[at..at + p.len].iter().map(|x| x * factor).collect();
+            at += p.len;
+            if !present[p.param] {
+                continue;
+            }
+            if check_overflow && run.iter().any(|x| !x.is_finite()) {
+                partial.overflow = true;
+            }
+            if want_norm {
+                partial.squares += run.iter().map(|x| (*x as f64) * (*x as f64)).sum::<f64>();
+            }
+            store.insert(m.as_tensor(), Tensor::from_vec(run, p.len, m.device())?);
+        }
+        Ok(partial)
+    }
+}
+
+/// Replaces every piece gradient in `store` by `f(gradient)`.
+pub(crate) fn scale_all(
+    store: &mut GradStore,
+    models: &[ParamSet],
+    f: impl Fn(Tensor) -> candle_core::Result<Tensor>,
+) -> Result<()> {
+    for m in models {
+        for v in m.shard.iter().flat_map(|s| &s.masters) {
+            if let Some(g) = store.remove(v.as_tensor()) {
+                store.insert(v.as_tensor(), f(g)?);
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_flat_space_is_cut_into_contiguous_slices_that_cover_it_once() {
+        let sizes = [6, 1, 4]; // 11 elements over 3 ranks: 3, 4, 4
+        let plans: Vec<Plan> = (0..3).map(|r| Plan::new(&sizes, 3, r)).collect();
+        assert_eq!(plans[0].counts, vec![3, 4, 4]);
+        assert_eq!(
+            plans[1].pieces,
+            vec![
+                Piece {
+                    param: 0,
+                    from: 3,
+                    len: 3
+                },
+                Piece {
+                    param: 1,
+                    from: 0,
+                    len: 1
+                }
+            ]
+        );
+        assert_eq!(
+            plans[2].pieces,
+            vec![Piece {
+                param: 2,
+                from: 0,
+                len: 4
+            }]
+        );
+        let mut seen = vec![0; 11];
+        for plan in &plans {
+            for p in &plan.pieces {
+                for e in 0..p.len {
+                    seen[plan.offsets[p.param] + p.from + e] += 1;
+                }
+            }
+        }
+        assert!(seen.iter().all(|&n| n == 1), "{seen:?}");
+        // More processes than elements: some slices are empty.
+        assert!(Plan::new(&[1], 2, 0).pieces.is_empty());
+        assert_eq!(Plan::new(&[1], 2, 1).pieces.len(), 1);
+    }
+
+    /// One process: sharding is the identity, and training matches the unsharded run bit for
+    /// bit (f32, AdamW with clipping and accumulation).
+    #[test]
+    fn a_single_process_trains_sharded_exactly_as_unsharded() {
+        use crate::optim::{AdamW, ParamsAdamW};
+        use crate::Accelerator;
+        use candle_nn::{Init, Optimizer, VarMap};
+        let run = |sharding: Sharding| -> Vec<f32> {
+            let mut acc = Accelerator::builder()
+                .cpu(true)
+                .grad_accum(2)
+                .clip_grad_norm(0.5)
+                .sharding(sharding)
+                .build()
+                .unwrap();
+            let varmap = VarMap::new();
+            let vb = acc.var_builder(&varmap, DType::F32);
+            let w = vb.get_with_hints((4, 3), "w", Init::Const(0.3)).unwrap();
+            let opt = AdamW::new(varmap.all_vars(), ParamsAdamW::default()).unwrap();
+            let (_vm, mut opt) = acc.prepare((varmap.clone(), opt)).unwrap();
+            for i in 0..6 {
+                let x = Tensor::new(&[1.0f32, -2.0, 0.5 * i as f32], &Device::Cpu).unwrap();
+                let loss = w.matmul(&x.unsqueeze(1).unwrap()).unwrap().sqr().unwrap();
+                let grads = acc.backward(&loss.sum_all().unwrap()).unwrap();
+                opt.step(&grads).unwrap();
+            }
+            let w = varmap.data().lock().unwrap()["w"].clone();
+            w.as_tensor().flatten_all().unwrap().to_vec1().unwrap()
+        };
+        let plain = run(Sharding::No);
+        assert_eq!(run(Sharding::Optimizer), plain);
+        assert_eq!(run(Sharding::Gradients), plain);
+    }
+}

@@ -1,0 +1,118 @@
+//! What is being trained: the prepared models, the prepared optimizers and where the
+//! accumulation window stands. One part of the [`Accelerator`](crate::Accelerator); the other
+//! parts read it through this narrow API and never touch its lists directly.
+
+use crate::optim::accelerated::PreparedSlot;
+use crate::train::grads::{GradientState, ParamSet};
+use candle_core::{TensorId, Var};
+use std::sync::Arc;
+
+/// The prepared models and optimizers, in preparation order, and the shared window state.
+pub(crate) struct Training {
+    models: Vec<ParamSet>,
+    optimizers: Vec<Box<dyn PreparedSlot>>,
+    window: Arc<GradientState>,
+    /// Variables registered as buffers before their model was prepared.
+    pending_buffers: Vec<TensorId>,
+}
+
+impl Training {
+    /// Nothing prepared yet; windows of `grad_accum` micro-batches.
+    pub(crate) fn new(grad_accum: usize) -> Self {
+        Training {
+            models: Vec::new(),
+            optimizers: Vec::new(),
+            window: Arc::new(GradientState::new(grad_accum)),
+            pending_buffers: Vec::new(),
+        }
+    }
+
+    /// The prepared models, in preparation order.
+    pub(crate) fn models(&self) -> &[ParamSet] {
+        &self.models
+    }
+
+    /// The prepared models, to accumulate into or restore.
+    pub(crate) fn models_mut(&mut self) -> &mut [ParamSet] {
+        &mut self.models
+    }
+
+    /// The models a micro-step's loss reached (`touched[i]` for model `i`), to end their
+    /// window: another model trained in the same micro-step ends it at its own backward.
+    pub(crate) fn touched_mut<'a>(
+        &'a mut self,
+        touched: &'a [bool],
+    ) -> impl Iterator<Item = &'a mut ParamSet> + 'a {
+        self.models
+            .iter_mut()
+            .zip(touched)
+            .filter(|(_, t)| **t)
+            .map(|(m, _)| m)
+    }
+
+    /// Adds a prepared model; it is model `models().len() - 1` from now on.
+    pub(crate) fn add_model(&mut self, model: ParamSet) {
+        self.models.push(model);
+    }
+
+    /// Remembers that the variable `id` is a buffer, for when its model is prepared.
+    pub(crate) fn add_pending_buffer(&mut self, id: TensorId) {
+        self.pending_buffers.push(id);
+    }
+
+    /// Whether the variable `id` was registered as a buffer before its model was prepared.
+    pub(crate) fn is_pending_buffer(&self, id: TensorId) -> bool {
+        self.pending_buffers.contains(&id)
+    }
+
+    /// The prepared optimizers, in preparation order.
+    pub(crate) fn optimizers(&self) -> &[Box<dyn PreparedSlot>] {
+        &self.optimizers
+    }
+
+    /// The prepared optimizers, to restore.
+    pub(crate) fn optimizers_mut(&mut self) -> &mut [Box<dyn PreparedSlot>] {
+        &mut self.optimizers
+    }
+
+    /// Adds a prepared optimizer.
+    pub(crate) fn add_optimizer(&mut self, optimizer: Box<dyn PreparedSlot>) {
+        self.optimizers.push(optimizer);
+    }
+
+    /// Where the accumulation window stands (shared with prepared loaders).
+    pub(crate) fn window(&self) -> &Arc<GradientState> {
+        &self.window
+    }
+
+    /// Real optimizer steps taken so far (the first optimizer's count; 0 before any).
+    pub(crate) fn steps(&self) -> u64 {
+        self.optimizers.first().map_or(0, |o| o.steps())
+    }
+
+    /// The f32 masters clipping measures, model by model in name order: those a prepared
+    /// optimizer steps, as PyTorch clips only what has a `.grad` (a frozen variable's gradient,
+    /// which candle computes all the same, must not shrink the trained ones); every variable
+    /// of a model no optimizer was prepared for.
+    pub(crate) fn trained_master_vars(&self) -> Vec<Var> {
+        self.models
+            .iter()
+            .flat_map(|m| {
+                let any = m.trained.iter().any(|t| *t);
+                m.master
+                    .iter()
+                    .zip(&m.trained)
+                    .filter(move |(_, t)| **t || !any)
+                    .map(|(v, _)| v.clone())
+            })
+            .collect()
+    }
+
+    /// (name, f32 master) pairs of every model, model by model in name order.
+    pub(crate) fn named_master_vars(&self) -> Vec<(String, Var)> {
+        self.models
+            .iter()
+            .flat_map(|m| m.names.iter().cloned().zip(m.master.iter().cloned()))
+            .collect()
+    }
+}
