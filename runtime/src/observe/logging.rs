@@ -28,11 +28,12 @@ use tracing_subscriber::registry::LookupSpan;
 pub use tracing;
 
 /// Reports one of ivme's own warnings or notices: through `tracing` (target `ivme`, level
-/// warn) once the program has set up a subscriber (with [`init`] or its own), so the line
-/// lands in the program's log under its filter; on stderr with the `ivme: ` prefix otherwise,
-/// so a program that never set up logging still sees it. Use it through `warn_user!`.
+/// warn) when the program's subscriber (set with [`init`] or its own) takes such a line, so
+/// it lands in the program's log in its format; on stderr with the `ivme: ` prefix otherwise,
+/// so a program that never set up logging, or whose subscriber silences this rank (as
+/// [`init`] does off the main process), still sees it. Use it through `warn_user!`.
 pub(crate) fn warn(msg: fmt::Arguments<'_>) {
-    if tracing::dispatcher::has_been_set() {
+    if tracing::enabled!(target: "ivme", tracing::Level::WARN) {
         tracing::warn!(target: "ivme", "{msg}");
     } else {
         eprintln!("ivme: {msg}");
