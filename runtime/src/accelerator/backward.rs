@@ -37,6 +37,7 @@ impl Accelerator {
                     .into(),
             ));
         }
+        self.report_frozen_once();
         let MicroStep { window, sync } = self.training.window().for_backward();
         let scale = self.mixed.loss_scale();
         // Each micro-batch counts 1/window of its window's mean; the scale is undone after sync.

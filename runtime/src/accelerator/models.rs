@@ -159,6 +159,14 @@ impl Accelerator {
                         .into(),
                 ));
             };
+            if m.trained[i] {
+                return Err(Error::Prepare(format!(
+                    "`{}` is held by two prepared optimizers (or twice by one): each \
+                     variable belongs to one optimizer, since two would each step it with \
+                     their own state; split the variables between them",
+                    m.names[i]
+                )));
+            }
             m.trained[i] = true;
             masters.push(m.master[i].clone());
             // A buffer's value is the model's own; its master only mirrors it (buffers.rs).
@@ -280,6 +288,60 @@ impl Accelerator {
         Ok(())
     }
 
+    /// The variables prepared optimizers step (buffers left out), by name, model by model in
+    /// name order.
+    pub fn trained_names(&self) -> Vec<String> {
+        self.training
+            .models()
+            .iter()
+            .flat_map(|m| m.trained_names().map(str::to_string))
+            .collect()
+    }
+
+    /// The frozen variables of every prepared model, by name: those no prepared optimizer
+    /// holds and that are not buffers. Clipping does not count their gradients. (A buffer
+    /// nobody declared is found at the end of the first window; until then it is listed here
+    /// if no optimizer holds it.)
+    pub fn frozen_names(&self) -> Vec<String> {
+        self.training
+            .models()
+            .iter()
+            .flat_map(|m| m.frozen_names().map(str::to_string))
+            .collect()
+    }
+
+    /// Says once, when some prepared variables are frozen, how much of the model trains:
+    /// "training 0.05 M of 4.3 M parameters (1.2 %)". Called at the first backward.
+    pub(crate) fn report_frozen_once(&mut self) {
+        if !self.training.first_report() || !self.is_main_process() {
+            return;
+        }
+        let (mut trained, mut frozen, mut vars) = (0usize, 0usize, 0usize);
+        for m in self.training.models() {
+            for (i, v) in m.master.iter().enumerate() {
+                if m.buffer[i] {
+                    continue;
+                }
+                if m.trained[i] {
+                    trained += v.elem_count();
+                } else {
+                    frozen += v.elem_count();
+                    vars += 1;
+                }
+            }
+        }
+        if frozen > 0 && !self.training.optimizers().is_empty() {
+            let total = trained + frozen;
+            warn_user!(
+                "training {:.2} M of {:.2} M parameters ({:.1} %); {vars} variable(s) no \
+                 prepared optimizer holds are frozen (accelerator.frozen_names() lists them)",
+                trained as f64 / 1e6,
+                total as f64 / 1e6,
+                100.0 * trained as f64 / total as f64
+            );
+        }
+    }
+
     /// The buffers of every prepared model, by name, model by model in name order.
     pub fn buffer_names(&self) -> Vec<String> {
         self.training
@@ -368,5 +430,41 @@ impl Accelerator {
         let rounded = exact.to_dtype(var.dtype())?.to_dtype(DType::F32)?;
         let differ = rounded.ne(&now)?.to_dtype(DType::F32)?.sum_all()?;
         Ok((differ.to_scalar::<f32>()? == 0.0).then_some(exact))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::optim::{AdamW, ParamsAdamW};
+    use crate::Accelerator;
+    use candle_core::{DType, Device};
+    use candle_nn::{Init, Optimizer, VarMap};
+
+    /// A fine-tune's layout: an optimizer over the head only. What trains and what is frozen
+    /// are listed by name, and a variable two optimizers would step is refused at prepare.
+    #[test]
+    fn what_the_optimizers_hold_trains_and_a_variable_held_twice_is_refused() {
+        let mut acc = Accelerator::builder().cpu(true).build().unwrap();
+        let varmap = VarMap::new();
+        let get = |name: &str, n: usize| {
+            varmap
+                .get(n, name, Init::Const(0.5), DType::F32, &Device::Cpu)
+                .unwrap()
+        };
+        let (_w, head) = (get("backbone.w", 4), get("head.w", 2));
+        let head = candle_core::Var::from_tensor(&head).unwrap();
+        let varmap = acc.prepare(varmap).unwrap();
+        let opt = AdamW::new(vec![head.clone()], ParamsAdamW::default()).unwrap();
+        let _opt = acc.prepare(opt).unwrap();
+        assert_eq!(acc.trained_names(), ["head.w"]);
+        assert_eq!(acc.frozen_names(), ["backbone.w"]);
+
+        let again = AdamW::new(vec![head], ParamsAdamW::default()).unwrap();
+        let e = acc.prepare(again).unwrap_err().to_string();
+        assert!(
+            e.contains("`head.w` is held by two prepared optimizers"),
+            "{e}"
+        );
+        drop(varmap);
     }
 }

@@ -298,6 +298,24 @@ pub struct ParamSet {
 }
 
 impl ParamSet {
+    /// The names of the variables a prepared optimizer steps, buffers left out.
+    pub(crate) fn trained_names(&self) -> impl Iterator<Item = &str> {
+        self.names
+            .iter()
+            .zip(self.trained.iter().zip(&self.buffer))
+            .filter(|(_, (t, b))| **t && !**b)
+            .map(|(n, _)| n.as_str())
+    }
+
+    /// The names of the variables no prepared optimizer steps that are not buffers.
+    pub(crate) fn frozen_names(&self) -> impl Iterator<Item = &str> {
+        self.names
+            .iter()
+            .zip(self.trained.iter().zip(&self.buffer))
+            .filter(|(_, (t, b))| !**t && !**b)
+            .map(|(n, _)| n.as_str())
+    }
+
     /// Whether the model computes with separate low-precision copies.
     pub fn has_copies(&self) -> bool {
         self.compute

@@ -14,6 +14,8 @@ pub(crate) struct Training {
     window: Arc<GradientState>,
     /// Variables registered as buffers before their model was prepared.
     pending_buffers: Vec<TensorId>,
+    /// Whether what trains has been reported (at the first backward).
+    reported: bool,
 }
 
 impl Training {
@@ -24,7 +26,13 @@ impl Training {
             optimizers: Vec::new(),
             window: Arc::new(GradientState::new(grad_accum)),
             pending_buffers: Vec::new(),
+            reported: false,
         }
+    }
+
+    /// True the first time it is asked, false after.
+    pub(crate) fn first_report(&mut self) -> bool {
+        !std::mem::replace(&mut self.reported, true)
     }
 
     /// The prepared models, in preparation order.
