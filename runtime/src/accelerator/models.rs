@@ -467,4 +467,47 @@ mod tests {
         );
         drop(varmap);
     }
+
+    /// A frozen backbone's gradients, which candle computes anyway, are not summed over the
+    /// window, synced or handed back: only the head's are, with plain candle's values.
+    #[test]
+    fn a_frozen_variable_is_neither_accumulated_nor_returned() {
+        let mut acc = Accelerator::builder()
+            .cpu(true)
+            .grad_accum(2)
+            .build()
+            .unwrap();
+        let varmap = VarMap::new();
+        let get = |name: &str, n: usize| {
+            varmap
+                .get(n, name, Init::Const(0.5), DType::F32, &Device::Cpu)
+                .unwrap()
+        };
+        let (w, h) = (get("backbone.w", 1000), get("head.w", 1000));
+        let (w, h) = (
+            candle_core::Var::from_tensor(&w).unwrap(),
+            candle_core::Var::from_tensor(&h).unwrap(),
+        );
+        let _varmap = acc.prepare(varmap).unwrap();
+        let opt = AdamW::new(vec![h.clone()], ParamsAdamW::default()).unwrap();
+        let _opt = acc.prepare(opt).unwrap();
+        // loss = sum(w * h * x): d/dh = w * x, d/dw = h * x.
+        let loss = |x: f64| {
+            (w.as_tensor() * h.as_tensor())
+                .unwrap()
+                .affine(x, 0.0)
+                .unwrap()
+                .sum_all()
+                .unwrap()
+        };
+        let first = acc.backward(&loss(1.0)).unwrap();
+        assert!(!first.is_sync_step());
+        // Only the head's window sum is held: 1000 f32 values.
+        assert_eq!(acc.held_bytes().unwrap().gradients, 1000 * 4);
+        let grads = acc.backward(&loss(3.0)).unwrap();
+        assert!(grads.get(&w).is_none(), "a frozen variable has no gradient");
+        // The window's mean: (0.5 * 1 + 0.5 * 3) / 2 = 1.0 for every element.
+        let g = grads.get(&h).expect("the head's gradient");
+        assert_eq!(g.to_vec1::<f32>().unwrap(), vec![1.0f32; 1000]);
+    }
 }

@@ -93,8 +93,9 @@ pub(crate) struct Finish {
 /// The persistent buffers and layout of one prepared model's gradient sync.
 #[derive(Debug, Default)]
 pub(crate) struct SyncBuffers {
-    // The bucket size the layout was cut for, and the buckets (ranges of variable indices).
-    layout: Option<(usize, Vec<Range<usize>>)>,
+    // The bucket size the layout was cut for, the variables it lays out (indices into the
+    // model's variables: the synced ones), and the buckets (ranges of positions in that list).
+    layout: Option<(usize, Vec<usize>, Vec<Range<usize>>)>,
     send: Vec<f32>,
     recv: Vec<f32>,
     // Scratch for the aliasing check: (start, end) addresses of every gradient's data.
@@ -129,9 +130,11 @@ impl SyncBuffers {
         self.spans.windows(2).all(|w| w[0].1 <= w[1].0)
     }
 
-    /// Averages the window's sums across processes bucket by bucket through the persistent
-    /// buffers, writes each mean (unscaled) back into its sum, and moves the sums into `store`
-    /// keyed by master variable. Returns whether any value is inf/NaN (when `check_overflow`).
+    /// Averages the window's sums of the variables `synced` lists (indices into `sums` and
+    /// `master`; the others, frozen, move nothing) across processes bucket by bucket through
+    /// the persistent buffers, writes each mean (unscaled) back into its sum, and moves the
+    /// sums into `store` keyed by master variable. Returns whether any value is inf/NaN (when
+    /// `check_overflow`).
     ///
     /// Call only after [`fits`](Self::fits) said yes for these `sums`.
     #[allow(clippy::too_many_arguments)]
@@ -140,35 +143,41 @@ impl SyncBuffers {
         comm: &dyn Communicator,
         sums: &mut [Option<Tensor>],
         master: &[Var],
+        synced: &[usize],
         position: u64,
         bucket_bytes: usize,
         finish: Finish,
         check_overflow: bool,
         store: &mut GradStore,
     ) -> Result<bool> {
-        if self.layout.as_ref().is_none_or(|(b, _)| *b != bucket_bytes) {
-            let buckets = cut(master.iter().map(|v| v.elem_count()), bucket_bytes);
+        if self
+            .layout
+            .as_ref()
+            .is_none_or(|(b, s, _)| *b != bucket_bytes || s != synced)
+        {
+            let buckets = cut(synced.iter().map(|&i| master[i].elem_count()), bucket_bytes);
             let largest = buckets
                 .iter()
                 .map(|r| {
-                    master[r.clone()]
+                    synced[r.clone()]
                         .iter()
-                        .map(|v| v.elem_count())
+                        .map(|&i| master[i].elem_count())
                         .sum::<usize>()
                 })
                 .max()
                 .unwrap_or(0);
             self.send = vec![0.0; largest];
             self.recv = vec![0.0; largest];
-            self.layout = Some((bucket_bytes, buckets));
+            self.layout = Some((bucket_bytes, synced.to_vec(), buckets));
         }
-        let Some((_, buckets)) = &self.layout else {
+        let Some((_, _, buckets)) = &self.layout else {
             unreachable!("laid out above")
         };
         let mut overflow = false;
         for bucket in buckets {
             let mut len = 0;
-            for (sum, var) in sums[bucket.clone()].iter().zip(&master[bucket.clone()]) {
+            for &i in &synced[bucket.clone()] {
+                let (sum, var) = (&sums[i], &master[i]);
                 let n = var.elem_count();
                 let dst = &mut self.send[len..len + n];
                 match sum {
@@ -180,9 +189,10 @@ impl SyncBuffers {
             }
             comm.all_reduce_sum_into(&self.send[..len], &mut self.recv[..len], position)?;
             let mut offset = 0;
-            for (sum, var) in sums[bucket.clone()].iter_mut().zip(&master[bucket.clone()]) {
+            for &i in &synced[bucket.clone()] {
+                let var = &master[i];
                 let n = var.elem_count();
-                if let Some(t) = sum.take() {
+                if let Some(t) = sums[i].take() {
                     let op = CopyIn {
                         src: &self.recv[offset..offset + n],
                         finish,
@@ -330,6 +340,7 @@ mod tests {
             &comm,
             &mut sums,
             &vars,
+            &[0, 1],
             0,
             1 << 20,
             finish,
@@ -347,12 +358,55 @@ mod tests {
             &comm,
             &mut sums,
             &vars,
+            &[0, 1],
             0,
             1 << 20,
             finish,
             true,
             &mut store
         )?);
+        Ok(())
+    }
+
+    /// Only the variables `synced` lists are laid out in the buckets: a frozen one moves no
+    /// bytes, keeps whatever sum it has, and gets no gradient.
+    #[test]
+    fn the_buckets_lay_out_the_synced_variables_only() -> Result<()> {
+        let d = candle_core::Device::Cpu;
+        let vars = [
+            Var::zeros(1000, DType::F32, &d)?,
+            Var::zeros(3, DType::F32, &d)?,
+        ];
+        let frozen = Tensor::ones(1000, DType::F32, &d)?;
+        let mut sums = vec![
+            Some(frozen.clone()),
+            Some(Tensor::new(&[2f32, 4.0, 6.0], &d)?),
+        ];
+        let mut bufs = SyncBuffers::default();
+        assert!(bufs.fits(&sums));
+        let mut store = GradStore::default();
+        let finish = Finish {
+            inv_world: 0.5,
+            inv_scale: None,
+        };
+        let comm = crate::comm::SingleComm;
+        bufs.sync(
+            &comm,
+            &mut sums,
+            &vars,
+            &[1],
+            0,
+            1 << 20,
+            finish,
+            false,
+            &mut store,
+        )?;
+        // Send and receive buffers sized for the 3 synced values, not the 1003.
+        assert_eq!(bufs.bytes(), 2 * 3 * 4);
+        let got = store.get(vars[1].as_tensor()).unwrap();
+        assert_eq!(got.to_vec1::<f32>()?, vec![1.0, 2.0, 3.0]);
+        assert!(store.get(vars[0].as_tensor()).is_none());
+        assert!(sums[0].is_some() && sums[1].is_none());
         Ok(())
     }
 }

@@ -298,6 +298,16 @@ pub struct ParamSet {
 }
 
 impl ParamSet {
+    /// The indices of the variables whose gradients are synced: those a prepared optimizer
+    /// holds, or all of them while none holds any (a model whose gradients the program uses
+    /// itself).
+    pub(crate) fn synced(&self) -> Vec<usize> {
+        let some_trained = self.trained.iter().any(|t| *t);
+        (0..self.trained.len())
+            .filter(|&i| self.trained[i] || !some_trained)
+            .collect()
+    }
+
     /// The names of the variables a prepared optimizer steps, buffers left out.
     pub(crate) fn trained_names(&self) -> impl Iterator<Item = &str> {
         self.names
@@ -328,10 +338,16 @@ impl ParamSet {
     /// this set received a gradient.
     pub(crate) fn accumulate(&mut self, store: &GradStore) -> Result<bool> {
         let mut any = false;
+        let some_trained = self.trained.iter().any(|t| *t);
         for (i, (var, sum)) in self.compute.iter().zip(self.sums.iter_mut()).enumerate() {
             if let Some(g) = store.get(var.as_tensor()) {
                 if self.buffer[i] {
                     return self.refuse_buffer_gradient(i).map(|_| false);
+                }
+                // A frozen variable's gradient (candle computes it anyway) is not summed,
+                // synced or returned: nothing steps it.
+                if some_trained && !self.trained[i] {
+                    continue;
                 }
                 let g = if g.dtype() == DType::F32 {
                     g.clone()
@@ -365,6 +381,18 @@ impl ParamSet {
             return Ok(false);
         }
         let world = comm.world_size();
+        let synced = self.synced();
+        if synced.len() < self.sums.len() {
+            // A frozen variable's sum (one a checkpoint saved before its optimizer was
+            // prepared, say) is dropped, not kept across windows.
+            let mut keep = vec![false; self.sums.len()];
+            synced.iter().for_each(|&i| keep[i] = true);
+            for (sum, k) in self.sums.iter_mut().zip(keep) {
+                if !k {
+                    *sum = None;
+                }
+            }
+        }
         if world > 1 && self.buffers.fits(&self.sums) {
             let finish = Finish {
                 inv_world: 1.0 / world as f32,
@@ -374,6 +402,7 @@ impl ParamSet {
                 comm,
                 &mut self.sums,
                 &self.master,
+                &synced,
                 position,
                 bucket_bytes,
                 finish,
@@ -381,36 +410,33 @@ impl ParamSet {
                 store,
             );
         }
-        let mut grads: Vec<Tensor> = Vec::with_capacity(self.sums.len());
-        let mut present: Vec<bool> = Vec::with_capacity(self.sums.len());
-        for (sum, var) in self.sums.iter_mut().zip(&self.master) {
-            match sum.take() {
+        // The synced variables' sums, in order; frozen ones move nothing.
+        let mut grads: Vec<Tensor> = Vec::with_capacity(synced.len());
+        let mut present: Vec<(usize, bool)> = Vec::with_capacity(synced.len());
+        for &i in &synced {
+            let var = &self.master[i];
+            match self.sums[i].take() {
                 Some(g) => {
                     grads.push(g);
-                    present.push(true);
+                    present.push((i, true));
                 }
                 // Every rank must send the same layout, so an unused variable sends zeros.
                 None if world > 1 => {
                     grads.push(Tensor::zeros(var.shape(), DType::F32, var.device())?);
-                    present.push(false);
+                    present.push((i, false));
                 }
-                None => present.push(false),
+                None => {}
             }
         }
         if world > 1 {
             all_reduce_bucketed(comm, &mut grads, bucket_bytes, position)?;
         }
         let mut overflow = false;
-        let mut it = grads.into_iter();
-        for (i, var) in self.master.iter().enumerate() {
-            let keep = present[i];
-            if !keep && world == 1 {
-                continue;
-            }
-            let Some(mut g) = it.next() else { break };
+        for ((i, keep), mut g) in present.into_iter().zip(grads) {
             if !keep {
                 continue;
             }
+            let var = &self.master[i];
             if inv_scale != 1.0 {
                 g = (g * inv_scale)?;
             }
