@@ -21,6 +21,7 @@ use std::sync::Arc;
 
 mod background;
 mod backward;
+mod buffers;
 mod builder;
 mod checkpoints;
 mod metrics;

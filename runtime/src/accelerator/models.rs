@@ -260,117 +260,23 @@ impl Accelerator {
 }
 
 impl Accelerator {
-    /// Marks `var` as a buffer of its model: state the forward writes and no optimizer steps
-    /// (a counter, a moving average), kept equal across processes as the
-    /// [`buffers`](crate::AcceleratorBuilder::buffers) setting says, saved and resumed with
-    /// the model, and never overwritten from a master weight. BatchNorm's running statistics
-    /// are buffers without this call. Call it before or after preparing the model, before
-    /// the first backward.
-    ///
-    /// ```no_run
-    /// # fn main() -> ivme::Result<()> {
-    /// let mut accelerator = ivme::Accelerator::new()?;
-    /// let varmap = candle_nn::VarMap::new();
-    /// let vb = accelerator.var_builder(&varmap, candle_core::DType::F32);
-    /// let seen = vb.get_with_hints(1, "seen", candle_nn::Init::Const(0.0))?;
-    /// accelerator.register_buffer(&candle_core::Var::from_tensor(&seen)?)?;
-    /// # Ok(()) }
-    /// ```
-    pub fn register_buffer(&mut self, var: &Var) -> Result<()> {
-        let id = var.as_tensor().id();
-        for m in self.training.models_mut() {
-            if let Some(i) = m.compute.iter().position(|c| c.as_tensor().id() == id) {
-                m.buffer[i] = true;
-                return Ok(());
-            }
-        }
-        self.training.add_pending_buffer(id);
-        Ok(())
-    }
-
-    /// The variables prepared optimizers step (buffers left out), by name, model by model in
-    /// name order.
-    pub fn trained_names(&self) -> Vec<String> {
-        self.training
-            .models()
-            .iter()
-            .flat_map(|m| m.trained_names().map(str::to_string))
-            .collect()
-    }
-
-    /// The frozen variables of every prepared model, by name: those no prepared optimizer
-    /// holds and that are not buffers. Clipping does not count their gradients. (A buffer
-    /// nobody declared is found at the end of the first window; until then it is listed here
-    /// if no optimizer holds it.)
-    pub fn frozen_names(&self) -> Vec<String> {
-        self.training
-            .models()
-            .iter()
-            .flat_map(|m| m.frozen_names().map(str::to_string))
-            .collect()
-    }
-
-    /// Says once, when some prepared variables are frozen, how much of the model trains:
-    /// "training 0.05 M of 4.3 M parameters (1.2 %)". Called at the first backward.
-    pub(crate) fn report_frozen_once(&mut self) {
-        if !self.training.first_report() || !self.is_main_process() {
-            return;
-        }
-        let (mut trained, mut frozen, mut vars) = (0usize, 0usize, 0usize);
-        for m in self.training.models() {
-            for (i, v) in m.master.iter().enumerate() {
-                if m.buffer[i] {
-                    continue;
-                }
-                if m.trained[i] {
-                    trained += v.elem_count();
-                } else {
-                    frozen += v.elem_count();
-                    vars += 1;
-                }
-            }
-        }
-        if frozen > 0 && !self.training.optimizers().is_empty() {
-            let total = trained + frozen;
-            warn_user!(
-                "training {:.2} M of {:.2} M parameters ({:.1} %); {vars} variable(s) no \
-                 prepared optimizer holds are frozen (accelerator.frozen_names() lists them)",
-                trained as f64 / 1e6,
-                total as f64 / 1e6,
-                100.0 * trained as f64 / total as f64
-            );
-        }
-    }
-
-    /// The buffers of every prepared model, by name, model by model in name order.
-    pub fn buffer_names(&self) -> Vec<String> {
-        self.training
-            .models()
-            .iter()
-            .flat_map(|m| m.buffer_names().map(str::to_string))
-            .collect()
-    }
-
-    /// Brings the buffers of the models this window trained to agreement (see the module
-    /// docs); every process calls it at the end of each window.
-    pub(crate) fn end_window_buffers(&mut self, touched: &[bool]) -> Result<()> {
-        let mode = self.sync.buffers();
-        let main = self.is_main_process();
-        for m in self.training.touched_mut(touched) {
-            let adopted = m.adopt_undeclared_buffers(&self.comm)?;
-            if main && !adopted.is_empty() {
-                // Printed, as the builder's warnings are: it changes what trains.
-                warn_user!(
-                    "{} received no gradient but changed in the forward, so they are kept \
-                     as buffers (agreed across processes as `buffers = {mode}` says, never \
-                     stepped); call `accelerator.register_buffer(&var)` to say so and silence \
-                     this",
-                    adopted.join(", ")
-                );
-            }
-            m.sync_buffers(&self.comm, mode)?;
-        }
-        Ok(())
+    /// The exact f32 initial value kept for `var`, if [`var_builder`](Self::var_builder) made
+    /// it and it still rounds to the variable's value; taken, since the master then owns it.
+    /// A variable set after it was made (weights loaded from a file, a custom initialisation)
+    /// no longer matches, and its master is widened from its current value instead.
+    pub(crate) fn take_exact_master(&self, var: &Var) -> crate::error::Result<Option<Tensor>> {
+        let Some(exact) = self
+            .mixed
+            .exact_masters()
+            .lock()
+            .remove(&var.as_tensor().id())
+        else {
+            return Ok(None);
+        };
+        let now = var.as_tensor().to_dtype(DType::F32)?;
+        let rounded = exact.to_dtype(var.dtype())?.to_dtype(DType::F32)?;
+        let differ = rounded.ne(&now)?.to_dtype(DType::F32)?.sum_all()?;
+        Ok((differ.to_scalar::<f32>()? == 0.0).then_some(exact))
     }
 }
 
@@ -411,25 +317,6 @@ impl Accelerator {
             (low != DType::F32).then_some(low),
         );
         VarBuilder::from_backend(Box::new(backend), dtype, self.device().clone())
-    }
-
-    /// The exact f32 initial value kept for `var`, if [`var_builder`](Self::var_builder) made
-    /// it and it still rounds to the variable's value; taken, since the master then owns it.
-    /// A variable set after it was made (weights loaded from a file, a custom initialisation)
-    /// no longer matches, and its master is widened from its current value instead.
-    pub(crate) fn take_exact_master(&self, var: &Var) -> crate::error::Result<Option<Tensor>> {
-        let Some(exact) = self
-            .mixed
-            .exact_masters()
-            .lock()
-            .remove(&var.as_tensor().id())
-        else {
-            return Ok(None);
-        };
-        let now = var.as_tensor().to_dtype(DType::F32)?;
-        let rounded = exact.to_dtype(var.dtype())?.to_dtype(DType::F32)?;
-        let differ = rounded.ne(&now)?.to_dtype(DType::F32)?.sum_all()?;
-        Ok((differ.to_scalar::<f32>()? == 0.0).then_some(exact))
     }
 }
 

@@ -8,3 +8,4 @@ pub mod grads;
 pub(crate) mod shard;
 pub(crate) mod sync;
 pub(crate) mod training;
+pub(crate) mod window;
