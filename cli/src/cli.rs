@@ -30,6 +30,8 @@ const EXAMPLES: &[(&str, &str)] = &[
     ("config_file", "ivme.toml"),
     ("max_shard_size", "2GB"),
     ("dtype", "bf16"),
+    ("adapter", "lora-out"),
+    ("base", "pretrained"),
 ];
 
 /// The value name that makes a flag a switch (an `Option<bool>` field): `--cpu` alone means

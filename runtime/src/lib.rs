@@ -45,6 +45,7 @@ pub mod checkpoint;
 pub mod comm;
 pub mod data;
 pub mod error;
+pub mod finetune;
 mod observe;
 pub mod optim;
 mod precision;

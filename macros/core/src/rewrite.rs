@@ -26,7 +26,7 @@ pub(crate) struct Rewriter {
     in_autocast: bool,
     /// Whether any forward call was put in an autocast scope (the scope handle is then bound).
     pub used_autocast: bool,
-    /// Inside the arguments of a hand-written `prepare` / `prepare_optimizer` call, whose
+    /// Inside the arguments of a hand-written `prepare` / `prepare_optimizer(_of)` call, whose
     /// objects must not be prepared a second time.
     in_prepare: bool,
     errors: Errors,
@@ -215,7 +215,7 @@ impl Rewriter {
                     *e = parse_quote_spanned!(span=> #scope.run(|#ac| #e));
                 }
             }
-            ("prepare" | "prepare_optimizer", _) => {
+            ("prepare" | "prepare_optimizer" | "prepare_optimizer_of", _) => {
                 let outer = std::mem::replace(&mut self.in_prepare, true);
                 visit_mut::visit_expr_mut(self, e);
                 self.in_prepare = outer;
@@ -246,12 +246,24 @@ impl Rewriter {
                 return;
             }
         }
-        if let Some(Expr::MethodCall(first)) = call.args.first().filter(|_| !self.in_prepare) {
+        if self.in_prepare {
+            return;
+        }
+        if let Some(Expr::MethodCall(first)) = call.args.first() {
             if first.method == "all_vars" && first.args.is_empty() {
                 let varmap = first.receiver.clone();
                 let span = e.span();
                 *e = parse_quote_spanned!(span=> #acc.prepare_optimizer(&#varmap, #e));
+                return;
             }
+        }
+        // An ivme optimizer over any other list of variables (a fine-tune's adapters, a
+        // filter): prepared with the model its variables belong to (rule d).
+        let ivme_optimizer = matches!(&*call.func, Expr::Path(f)
+            if ["AdamW", "Sgd", "AnyOptimizer"].iter().any(|o| ends_with(&f.path, &[o, "new"])));
+        if ivme_optimizer && call.args.len() == 2 {
+            let span = e.span();
+            *e = parse_quote_spanned!(span=> #acc.prepare_optimizer_of(#e));
         }
     }
 }

@@ -77,14 +77,28 @@ impl Accelerator {
                 }
             }
         }
-        if frozen > 0 && !self.training.optimizers().is_empty() {
-            let total = trained + frozen;
+        let constants = *self.finetune.constants.lock();
+        if frozen + constants > 0 && !self.training.optimizers().is_empty() {
+            let total = trained + frozen + constants;
+            let mut why = Vec::new();
+            if vars > 0 {
+                why.push(format!(
+                    "{vars} variable(s) no prepared optimizer holds are frozen \
+                     (accelerator.frozen_names() lists them)"
+                ));
+            }
+            if constants > 0 {
+                why.push(format!(
+                    "{:.2} M parameters of the base are constants",
+                    constants as f64 / 1e6
+                ));
+            }
             warn_user!(
-                "training {:.2} M of {:.2} M parameters ({:.1} %); {vars} variable(s) no \
-                 prepared optimizer holds are frozen (accelerator.frozen_names() lists them)",
+                "training {:.2} M of {:.2} M parameters ({:.1} %); {}",
                 trained as f64 / 1e6,
                 total as f64 / 1e6,
-                100.0 * trained as f64 / total as f64
+                100.0 * trained as f64 / total as f64,
+                why.join("; ")
             );
         }
     }

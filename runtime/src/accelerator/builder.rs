@@ -275,6 +275,7 @@ impl AcceleratorBuilder {
             data: crate::data::DataProgress::new(seed, rank),
             checkpoints: crate::checkpoint::Checkpointing::new(project, self.async_checkpoints),
             trackers: Shared::new(None),
+            finetune: Default::default(),
         })
     }
 }

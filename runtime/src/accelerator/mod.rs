@@ -24,6 +24,7 @@ mod backward;
 mod buffers;
 mod builder;
 mod checkpoints;
+mod finetune;
 mod metrics;
 mod model_files;
 mod models;
@@ -58,6 +59,8 @@ pub struct Accelerator {
     pub(crate) checkpoints: crate::checkpoint::Checkpointing,
     /// Experiment trackers, once `init_trackers` ran.
     pub(crate) trackers: Shared<Option<crate::observe::tracking::Trackers>>,
+    /// A fine-tune's base, patterns and the `VarMap`s builders made variables in.
+    pub(crate) finetune: crate::finetune::FineTuning,
 }
 
 impl std::fmt::Debug for Accelerator {
@@ -135,6 +138,11 @@ impl Accelerator {
     /// How many collectives this process has run so far.
     pub fn collective_count(&self) -> u64 {
         self.comm.count()
+    }
+    /// How many bytes this process has handed to collectives so far (gradients, broadcasts,
+    /// agreements): the difference over a step is what the step communicated.
+    pub fn collective_bytes(&self) -> u64 {
+        self.comm.bytes()
     }
     /// The current fp16 loss scaler, if any.
     pub fn scaler(&self) -> Option<&LossScaler> {

@@ -33,6 +33,8 @@ impl Accelerator {
                 "this VarMap was already prepared; prepare each model once".into(),
             ));
         }
+        // A LoRA target or unfreeze pattern that matched nothing would train nothing.
+        self.finetune.check_targets()?;
         let mut named: Vec<(String, Var)> = varmap
             .data()
             .lock()
@@ -108,6 +110,7 @@ impl Accelerator {
         }
         let sums = vec![None; names.len()];
         let trained = vec![false; names.len()];
+        let reached = vec![false; names.len()];
         let shard = if self.sync.sharding() == crate::Sharding::No {
             None
         } else {
@@ -127,6 +130,7 @@ impl Accelerator {
             trained,
             buffer,
             probed: false,
+            reached,
             sums,
             buffers: Default::default(),
             shard,
@@ -308,6 +312,7 @@ impl Accelerator {
     /// # let _ = layer; Ok(()) }
     /// ```
     pub fn var_builder(&self, varmap: &VarMap, requested: DType) -> VarBuilder<'static> {
+        self.finetune.remember(varmap);
         let dtype = self.param_dtype(requested);
         let low = self.mixed.policy().compute_dtype();
         let backend = SeededInit::new(

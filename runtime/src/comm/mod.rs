@@ -172,11 +172,13 @@ pub(crate) fn check_shards(
     Ok(counts[..rank].iter().sum())
 }
 
-/// Wraps a communicator and counts the collectives it runs, so tests and reports can show
-/// that skipped micro-steps communicate nothing.
+/// Wraps a communicator and counts the collectives it runs and the bytes each process hands
+/// them, so tests and reports can show that skipped micro-steps communicate nothing and that
+/// frozen weights move no bytes.
 pub struct Counted {
     inner: Box<dyn Communicator>,
     count: std::sync::atomic::AtomicU64,
+    bytes: std::sync::atomic::AtomicU64,
 }
 
 impl Counted {
@@ -185,6 +187,7 @@ impl Counted {
         Counted {
             inner,
             count: std::sync::atomic::AtomicU64::new(0),
+            bytes: std::sync::atomic::AtomicU64::new(0),
         }
     }
 
@@ -193,9 +196,21 @@ impl Counted {
         self.count.load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// Bytes this process has handed to collectives so far (what it sends into each one: a
+    /// tensor's size in its dtype, a buffer's length), in a world of one too.
+    pub fn bytes(&self) -> u64 {
+        self.bytes.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     fn tick(&self) {
         self.count
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn tick_bytes(&self, bytes: usize) {
+        self.tick();
+        self.bytes
+            .fetch_add(bytes as u64, std::sync::atomic::Ordering::Relaxed);
     }
 }
 
@@ -219,15 +234,15 @@ impl Communicator for Counted {
         self.inner.world_size()
     }
     fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
-        self.tick();
+        self.tick_bytes(tensor_bytes(t));
         self.inner.all_reduce(t, op)
     }
     fn all_reduce_checked(&self, t: &Tensor, op: ReduceOp, position: u64) -> Result<Tensor> {
-        self.tick();
+        self.tick_bytes(tensor_bytes(t));
         self.inner.all_reduce_checked(t, op, position)
     }
     fn all_reduce_sum_into(&self, send: &[f32], recv: &mut [f32], position: u64) -> Result<()> {
-        self.tick();
+        self.tick_bytes(std::mem::size_of_val(send));
         self.inner.all_reduce_sum_into(send, recv, position)
     }
     fn reduce_scatter_sum_into(
@@ -237,7 +252,7 @@ impl Communicator for Counted {
         counts: &[usize],
         position: u64,
     ) -> Result<()> {
-        self.tick();
+        self.tick_bytes(std::mem::size_of_val(send));
         self.inner
             .reduce_scatter_sum_into(send, recv, counts, position)
     }
@@ -248,23 +263,23 @@ impl Communicator for Counted {
         counts: &[usize],
         elem_bytes: usize,
     ) -> Result<()> {
-        self.tick();
+        self.tick_bytes(send.len());
         self.inner.all_gather_into(send, recv, counts, elem_bytes)
     }
     fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
-        self.tick();
+        self.tick_bytes(tensor_bytes(t));
         self.inner.broadcast(t, root)
     }
     fn all_gather(&self, t: &Tensor) -> Result<Tensor> {
-        self.tick();
+        self.tick_bytes(tensor_bytes(t));
         self.inner.all_gather(t)
     }
     fn broadcast_bytes(&self, bytes: Vec<u8>, root: usize) -> Result<Vec<u8>> {
-        self.tick();
+        self.tick_bytes(bytes.len());
         self.inner.broadcast_bytes(bytes, root)
     }
     fn all_gather_bytes(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
-        self.tick();
+        self.tick_bytes(bytes.len());
         self.inner.all_gather_bytes(bytes)
     }
     fn barrier(&self) -> Result<()> {
@@ -274,6 +289,11 @@ impl Communicator for Counted {
     fn name(&self) -> &'static str {
         self.inner.name()
     }
+}
+
+/// A tensor's size in bytes, in its own dtype.
+fn tensor_bytes(t: &Tensor) -> usize {
+    t.elem_count() * t.dtype().size_in_bytes()
 }
 
 /// How long a collective may wait for its peers unless told otherwise: long enough for a

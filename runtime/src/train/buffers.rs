@@ -114,7 +114,7 @@ impl ParamSet {
             return Ok(Vec::new());
         }
         let candidates: Vec<usize> = (0..self.names.len())
-            .filter(|&i| !self.buffer[i] && self.sums[i].is_none())
+            .filter(|&i| !self.buffer[i] && self.sums[i].is_none() && !self.reached[i])
             .collect();
         if candidates.is_empty() {
             return Ok(Vec::new());

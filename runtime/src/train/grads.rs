@@ -168,6 +168,9 @@ pub struct ParamSet {
     pub(crate) trained: Vec<bool>,
     /// Whether the end of the first window looked for buffers nobody declared (buffers.rs).
     pub(crate) probed: bool,
+    /// Frozen variables that received a gradient (dropped): parameters, not buffers, so the
+    /// first window's probe for undeclared buffers leaves them out.
+    pub(crate) reached: Vec<bool>,
     /// Running sums of gradients within the current window, in f32.
     pub(crate) sums: Vec<Option<Tensor>>,
     /// The persistent buffers of the allocation-free sync.
@@ -226,6 +229,7 @@ impl ParamSet {
                 // A frozen variable's gradient (candle computes it anyway) is not summed,
                 // synced or returned: nothing steps it.
                 if some_trained && !self.trained[i] {
+                    self.reached[i] = true;
                     continue;
                 }
                 let g = if g.dtype() == DType::F32 {

@@ -175,6 +175,9 @@ fn optimizers_and_loaders_are_prepared() {
         quote! {
             fn f(acc: &mut Accelerator) {
                 let opt = AdamW::new(varmap.all_vars(), params)?;
+                let lora = AdamW::new(adapters, params)?;
+                let sgd = ivme::optim::Sgd::new(head.clone(), lr)?;
+                let other = Thing::new(adapters, params)?;
                 let a = DataLoader::new(ds, 8);
                 let b = ivme::data::DataLoader::new(ds, 8)?;
                 let c = Vec::new(varmap.vars());
@@ -183,6 +186,9 @@ fn optimizers_and_loaders_are_prepared() {
         quote! {
             fn f(acc: &mut Accelerator) {
                 let opt = acc.prepare_optimizer(&varmap, AdamW::new(varmap.all_vars(), params))?;
+                let lora = acc.prepare_optimizer_of(AdamW::new(adapters, params))?;
+                let sgd = acc.prepare_optimizer_of(ivme::optim::Sgd::new(head.clone(), lr))?;
+                let other = Thing::new(adapters, params)?;
                 let a = acc.prepare(DataLoader::new(ds, 8))?;
                 let b = acc.prepare(ivme::data::DataLoader::new(ds, 8)?)?;
                 let c = Vec::new(varmap.vars());
@@ -196,6 +202,7 @@ fn hand_written_prepare_calls_are_not_prepared_twice() {
     let item = quote! {
         fn f(acc: &mut Accelerator) {
             let opt = acc.prepare_optimizer(&vm, AdamW::new(vm.all_vars(), p))?;
+            let sub = acc.prepare_optimizer_of(AdamW::new(adapters, p))?;
             let (m, l) = acc.prepare((vm, DataLoader::new(ds, 8)))?;
         }
     };

@@ -1,0 +1,160 @@
+//! The LoRA fine-tune the multi-process tests run: the "pretrained" residual MLP of
+//! `support/finetune_net.rs` (written by the test), LoRA on every block linear, a new head, an
+//! AdamW over what trains, and writes each rank's trained weights and the bytes every
+//! micro-step handed to collectives to `out/rank{R}.json`.
+//!
+//! Arguments are `key=value`: `base=DIR out=DIR layout=constant|subset precision=no|bf16
+//! accum=A steps=K clip=F sharding=no|optimizer|gradients adapter_out=DIR`. `layout=constant`
+//! reads the base as constants (`base_var_builder`); `layout=subset` makes every weight a
+//! variable of one `VarMap`, loads the base into it and hands the optimizer the adapters and
+//! the head only. `steps` counts optimizer steps; micro-batch `r + W·j` is rank r's j-th.
+
+#[path = "../support/finetune_net.rs"]
+mod finetune_net;
+
+use candle_core::{DType, Module, Tensor};
+use candle_nn::{linear, Linear, Optimizer, VarBuilder, VarMap};
+use finetune_net::{batch, flat, start_value, SMALL};
+use ivme::finetune::{Lora, LoraConfig, LoraLinear};
+use ivme::optim::{AdamW, ParamsAdamW};
+use ivme::{Accelerator, Precision, Sharding};
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+
+struct Net {
+    blocks: Vec<(LoraLinear, LoraLinear)>,
+    head: Linear,
+}
+
+impl Net {
+    fn new(vb: VarBuilder, lora: &Lora) -> candle_core::Result<Net> {
+        let (d, h) = (SMALL.d, SMALL.h);
+        let blocks = (0..SMALL.blocks)
+            .map(|b| {
+                let vb = vb.pp(format!("blocks.{b}"));
+                Ok((
+                    lora.linear(d, h, vb.pp("fc1"))?,
+                    lora.linear(h, d, vb.pp("fc2"))?,
+                ))
+            })
+            .collect::<candle_core::Result<_>>()?;
+        Ok(Net {
+            blocks,
+            head: linear(d, 1, vb.pp("head"))?,
+        })
+    }
+}
+
+impl Module for Net {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let mut h = x.clone();
+        for (fc1, fc2) in &self.blocks {
+            h = (&h + fc2.forward(&fc1.forward(&h)?.tanh()?)?)?;
+        }
+        self.head.forward(&h)
+    }
+}
+
+fn trains(name: &str) -> bool {
+    name.contains(".lora_") || name.starts_with("head.")
+}
+
+fn main() -> ivme::Result<()> {
+    let args: HashMap<String, String> = std::env::args()
+        .skip(1)
+        .filter_map(|a| {
+            a.split_once('=')
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+        })
+        .collect();
+    let get = |k: &str, d: &str| args.get(k).cloned().unwrap_or_else(|| d.to_string());
+    let base_dir = PathBuf::from(get("base", "base"));
+    let out = PathBuf::from(get("out", "out"));
+    let accum: usize = get("accum", "2").parse().expect("accum");
+    let steps: usize = get("steps", "3").parse().expect("steps");
+    let clip: f64 = get("clip", "0.05").parse().expect("clip");
+    let precision = match get("precision", "no").as_str() {
+        "bf16" => Precision::Bf16,
+        _ => Precision::No,
+    };
+    let sharding = match get("sharding", "no").as_str() {
+        "optimizer" => Sharding::Optimizer,
+        "gradients" => Sharding::Gradients,
+        _ => Sharding::No,
+    };
+    let mut acc = Accelerator::builder()
+        .cpu(true)
+        .grad_accum(accum)
+        .clip_grad_norm(clip)
+        .precision(precision)
+        .sharding(sharding)
+        .build()?;
+    let lora = acc.lora(LoraConfig::new(4, 8.0, &["fc1", "fc2"]))?;
+    let varmap = VarMap::new();
+    let net = match get("layout", "constant").as_str() {
+        "constant" => {
+            let base = acc.load_base(&base_dir)?;
+            Net::new(acc.base_var_builder(&base, &varmap, DType::F32), &lora)?
+        }
+        _ => {
+            let net = Net::new(acc.var_builder(&varmap, DType::F32), &lora)?;
+            let weights =
+                candle_core::safetensors::load(base_dir.join("model.safetensors"), acc.device())?;
+            let data = varmap.data().lock().expect("varmap");
+            for (name, value) in weights {
+                data[&name].set(&value.to_dtype(data[&name].dtype())?)?;
+            }
+            net
+        }
+    };
+    // The same start as the reference: every trained variable set by name.
+    let mut trained = Vec::new();
+    {
+        let data = varmap.data().lock().expect("varmap");
+        let mut names: Vec<&String> = data.keys().filter(|n| trains(n)).collect();
+        names.sort();
+        for name in names {
+            let v = &data[name];
+            v.set(&start_value(name, v.dims()).to_dtype(v.dtype())?)?;
+            trained.push(v.clone());
+        }
+    }
+    let params = ParamsAdamW {
+        lr: 0.02,
+        ..Default::default()
+    };
+    let mut opt = acc.prepare_optimizer_of(AdamW::new(trained, params))?;
+    let world = acc.num_processes();
+    let rank = acc.process_index();
+    let mut bytes = Vec::new();
+    for j in 0..steps * accum {
+        let (x, y) = batch(rank + world * j, SMALL.d);
+        let before = acc.collective_bytes();
+        let outputs = acc.autocast(|ac| net.forward(&ac.input(&x)?))?;
+        let loss = candle_nn::loss::mse(&outputs.to_dtype(DType::F32)?, &y)?;
+        let grads = acc.backward(&loss)?;
+        opt.step(&grads)?;
+        bytes.push(acc.collective_bytes() - before);
+    }
+    if let Some(dir) = args.get("adapter_out") {
+        acc.save_adapter(std::path::Path::new(dir), &lora)?;
+    }
+    let mut values = BTreeMap::new();
+    for (name, var) in acc.named_master_vars() {
+        values.insert(name, flat(var.as_tensor()));
+    }
+    let report = serde_json::json!({
+        "params": values,
+        "bytes": bytes,
+        "trained": acc.trained_names(),
+        "frozen": acc.frozen_names(),
+        "adapted": lora.adapted(),
+    });
+    std::fs::create_dir_all(&out).expect("the report folder");
+    std::fs::write(
+        out.join(format!("rank{rank}.json")),
+        serde_json::to_vec(&report)?,
+    )
+    .expect("the report");
+    Ok(())
+}

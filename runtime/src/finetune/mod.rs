@@ -1,0 +1,123 @@
+//! Fine-tuning a pretrained model: the base read from a Hugging Face model folder as constants
+//! (no gradient, no optimizer state, no collective bytes), the layers you choose trained, LoRA
+//! adapters, and adapters saved and merged in the layout PEFT users load.
+//!
+//! | piece | what it does |
+//! |---|---|
+//! | [`Accelerator::load_base`](crate::Accelerator::load_base) | opens a model folder's safetensors memory-mapped, checksums them and checks every process opened the same files |
+//! | [`Base::var_builder`] | a `VarBuilder` that hands the base's tensors out as constants and creates everything else (adapters, a new head, layers [`Base::unfreeze`] names) as variables of your `VarMap` |
+//! | [`Accelerator::lora`](crate::Accelerator::lora), [`Lora::linear`] | linear layers with a rank-r adapter where the module's name matches a target |
+//! | [`Accelerator::save_adapter`](crate::Accelerator::save_adapter) | `adapter_model.safetensors` + `adapter_config.json`, PEFT's layout |
+//! | [`merge_adapter`] (`ivme merge-weights --adapter`) | folds an adapter into its base: a plain model folder |
+//!
+//! What trains is what the prepared optimizers hold: a variable of a prepared model that no
+//! optimizer holds is frozen (its gradient is dropped at once: not accumulated, synced or
+//! clipped). A base tensor handed out as a constant costs less still: candle's backward never
+//! computes its gradient. See docs/finetune.md.
+
+mod base;
+mod lora;
+mod pattern;
+mod peft;
+
+pub use base::{Base, BaseFile};
+pub use lora::{Lora, LoraConfig, LoraLinear};
+pub(crate) use peft::write_adapter;
+pub use peft::{merge_adapter, AdapterMerge, ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX};
+
+use crate::error::{Error, Result};
+use crate::stateful::Shared;
+use candle_nn::VarMap;
+use std::path::PathBuf;
+
+/// A name pattern the user gave (a LoRA target, a layer to unfreeze) and how many names it
+/// matched, so one that matches nothing is refused at prepare instead of training nothing.
+#[derive(Debug, Clone)]
+pub(crate) struct Target {
+    /// What the pattern is for, in words: "LoRA target", "unfreeze pattern".
+    pub(crate) what: &'static str,
+    pub(crate) pattern: String,
+    pub(crate) hits: usize,
+}
+
+/// The Accelerator's record of a fine-tune: the `VarMap`s its builders made variables in (so
+/// an optimizer over any of their variables can be prepared without naming the map), the
+/// patterns given and what they matched, the modules LoRA saw, and the base.
+#[derive(Default, Clone)]
+pub(crate) struct FineTuning {
+    built: Shared<Vec<VarMap>>,
+    pub(crate) targets: Shared<Vec<Target>>,
+    /// Every module name a [`Lora`] was asked to build, adapted or not (for error messages).
+    pub(crate) seen: Shared<Vec<String>>,
+    /// The base folder loaded last, and the parameters it handed out as constants.
+    pub(crate) base: Shared<Option<PathBuf>>,
+    pub(crate) constants: Shared<usize>,
+}
+
+impl std::fmt::Debug for FineTuning {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FineTuning")
+            .field("targets", &*self.targets.lock())
+            .field("base", &*self.base.lock())
+            .finish()
+    }
+}
+
+impl FineTuning {
+    /// Remembers that a builder made variables in `varmap`.
+    pub(crate) fn remember(&self, varmap: &VarMap) {
+        let mut built = self.built.lock();
+        let data = varmap.data();
+        if !built.iter().any(|v| std::ptr::eq(v.data(), data)) {
+            built.push(varmap.clone());
+        }
+    }
+
+    /// The `VarMap`s builders made variables in, oldest first.
+    pub(crate) fn built(&self) -> Vec<VarMap> {
+        self.built.lock().clone()
+    }
+
+    /// Registers a pattern; returns its index for [`hit`](Self::hit).
+    pub(crate) fn add_target(&self, what: &'static str, pattern: &str) -> usize {
+        let mut t = self.targets.lock();
+        t.push(Target {
+            what,
+            pattern: pattern.to_string(),
+            hits: 0,
+        });
+        t.len() - 1
+    }
+
+    /// Counts a match of pattern `k`.
+    pub(crate) fn hit(&self, k: usize) {
+        if let Some(t) = self.targets.lock().get_mut(k) {
+            t.hits += 1;
+        }
+    }
+
+    /// Refuses a pattern that matched nothing, naming it and what it could have matched.
+    pub(crate) fn check_targets(&self) -> Result<()> {
+        let targets = self.targets.lock();
+        let Some(t) = targets.iter().find(|t| t.hits == 0) else {
+            return Ok(());
+        };
+        let seen = self.seen.lock();
+        let some: Vec<&str> = seen.iter().take(8).map(String::as_str).collect();
+        let listed = if some.is_empty() {
+            "no linear layer was built through `lora.linear(..)`".to_string()
+        } else {
+            format!(
+                "the modules built through `lora.linear(..)` are {}{}",
+                some.join(", "),
+                if seen.len() > some.len() { ", …" } else { "" }
+            )
+        };
+        Err(Error::Prepare(format!(
+            "the {} `{}` matched no module, so it would train nothing: {listed}; a target \
+             matches a module's whole name, a prefix of it, or its last parts (`q_proj` \
+             matches `layers.0.attn.q_proj`), and `*` matches any characters",
+            t.what, t.pattern
+        )))
+    }
+}
