@@ -382,6 +382,40 @@ fn the_adapter_is_saved_in_peft_layout_and_merge_weights_folds_it_into_the_base(
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+#[test]
+fn processes_that_opened_different_bases_are_stopped_naming_the_file() {
+    let dir = scratch("ft-two-bases");
+    let (one, two) = (dir.join("one"), dir.join("two"));
+    write_base(&one, SMALL);
+    write_base(&two, SMALL);
+    let mut changed = base_tensors(SMALL);
+    let w = changed["blocks.1.fc2.bias"].clone();
+    changed.insert("blocks.1.fc2.bias".into(), (w + 1e-3).unwrap());
+    candle_core::safetensors::save(&changed, two.join("model.safetensors")).unwrap();
+    let args = [
+        format!("base={}", one.display()),
+        format!("base_rank1={}", two.display()),
+        format!("out={}", dir.join("out").display()),
+    ];
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    let started = std::time::Instant::now();
+    let o = launch(2, &common::example_bin("finetune_check"), &refs, &[]);
+    let (so, se) = text(&o);
+    assert!(!o.status.success(), "ran on different bases\n{so}\n{se}");
+    assert!(
+        se.contains("opened different bases")
+            && se.contains("`model.safetensors`")
+            && se.contains("rank 1"),
+        "{se}"
+    );
+    assert!(
+        started.elapsed().as_secs() < 60,
+        "took {:?}",
+        started.elapsed()
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// An Accelerator on one CPU process.
 fn single() -> ivme::Accelerator {
     ivme::Accelerator::builder().cpu(true).build().unwrap()

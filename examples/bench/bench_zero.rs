@@ -19,6 +19,8 @@
 
 #[path = "../support/mlp.rs"]
 mod mlp;
+#[path = "../support/peak_rss.rs"]
+mod peak_rss;
 
 use candle_core::{DType, Device, Module};
 use candle_nn::{Optimizer, VarMap};
@@ -26,20 +28,11 @@ use ivme::optim::{AdamW, ParamsAdamW};
 use ivme::rng::Rng;
 use ivme::{Accelerator, Sharding};
 use mlp::Mlp;
+use peak_rss::peak_rss_mb;
 use std::time::Instant;
 
 const DIMS: [usize; 5] = [2048, 4096, 4096, 4096, 2048];
 const BATCH: usize = 8;
-
-/// This process's peak resident memory, from /proc (0 where there is none).
-fn peak_rss_mb() -> f64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
-        .map_or(0.0, |kb| kb / 1024.0)
-}
 
 /// Trains `steps` optimizer steps under `sharding`; returns the seconds of each step after the
 /// first, and the accelerator (for what it holds).

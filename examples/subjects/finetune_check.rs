@@ -4,7 +4,8 @@
 //! micro-step handed to collectives to `out/rank{R}.json`.
 //!
 //! Arguments are `key=value`: `base=DIR out=DIR layout=constant|subset precision=no|bf16
-//! accum=A steps=K clip=F sharding=no|optimizer|gradients adapter_out=DIR`. `layout=constant`
+//! accum=A steps=K clip=F sharding=no|optimizer|gradients adapter_out=DIR base_rank1=DIR`
+//! (rank 1 opens another base: a test of the check that every process opened the same). `layout=constant`
 //! reads the base as constants (`base_var_builder`); `layout=subset` makes every weight a
 //! variable of one `VarMap`, loads the base into it and hands the optimizer the adapters and
 //! the head only. `steps` counts optimizer steps; micro-batch `r + W·j` is rank r's j-th.
@@ -12,48 +13,14 @@
 #[path = "../support/finetune_net.rs"]
 mod finetune_net;
 
-use candle_core::{DType, Module, Tensor};
-use candle_nn::{linear, Linear, Optimizer, VarBuilder, VarMap};
-use finetune_net::{batch, flat, start_value, SMALL};
-use ivme::finetune::{Lora, LoraConfig, LoraLinear};
+use candle_core::{DType, Module};
+use candle_nn::{Optimizer, VarMap};
+use finetune_net::{batch, flat, start_value, Net, SMALL};
+use ivme::finetune::LoraConfig;
 use ivme::optim::{AdamW, ParamsAdamW};
 use ivme::{Accelerator, Precision, Sharding};
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
-
-struct Net {
-    blocks: Vec<(LoraLinear, LoraLinear)>,
-    head: Linear,
-}
-
-impl Net {
-    fn new(vb: VarBuilder, lora: &Lora) -> candle_core::Result<Net> {
-        let (d, h) = (SMALL.d, SMALL.h);
-        let blocks = (0..SMALL.blocks)
-            .map(|b| {
-                let vb = vb.pp(format!("blocks.{b}"));
-                Ok((
-                    lora.linear(d, h, vb.pp("fc1"))?,
-                    lora.linear(h, d, vb.pp("fc2"))?,
-                ))
-            })
-            .collect::<candle_core::Result<_>>()?;
-        Ok(Net {
-            blocks,
-            head: linear(d, 1, vb.pp("head"))?,
-        })
-    }
-}
-
-impl Module for Net {
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let mut h = x.clone();
-        for (fc1, fc2) in &self.blocks {
-            h = (&h + fc2.forward(&fc1.forward(&h)?.tanh()?)?)?;
-        }
-        self.head.forward(&h)
-    }
-}
 
 fn trains(name: &str) -> bool {
     name.contains(".lora_") || name.starts_with("head.")
@@ -68,7 +35,7 @@ fn main() -> ivme::Result<()> {
         })
         .collect();
     let get = |k: &str, d: &str| args.get(k).cloned().unwrap_or_else(|| d.to_string());
-    let base_dir = PathBuf::from(get("base", "base"));
+    let mut base_dir = PathBuf::from(get("base", "base"));
     let out = PathBuf::from(get("out", "out"));
     let accum: usize = get("accum", "2").parse().expect("accum");
     let steps: usize = get("steps", "3").parse().expect("steps");
@@ -89,15 +56,23 @@ fn main() -> ivme::Result<()> {
         .precision(precision)
         .sharding(sharding)
         .build()?;
+    if let Some(other) = args.get("base_rank1").filter(|_| acc.process_index() == 1) {
+        // A test of the check that every process opened the same base.
+        base_dir = PathBuf::from(other);
+    }
     let lora = acc.lora(LoraConfig::new(4, 8.0, &["fc1", "fc2"]))?;
     let varmap = VarMap::new();
     let net = match get("layout", "constant").as_str() {
         "constant" => {
             let base = acc.load_base(&base_dir)?;
-            Net::new(acc.base_var_builder(&base, &varmap, DType::F32), &lora)?
+            Net::new(
+                acc.base_var_builder(&base, &varmap, DType::F32),
+                &lora,
+                SMALL,
+            )?
         }
         _ => {
-            let net = Net::new(acc.var_builder(&varmap, DType::F32), &lora)?;
+            let net = Net::new(acc.var_builder(&varmap, DType::F32), &lora, SMALL)?;
             let weights =
                 candle_core::safetensors::load(base_dir.join("model.safetensors"), acc.device())?;
             let data = varmap.data().lock().expect("varmap");

@@ -6,9 +6,47 @@
 //! Include it with `#[path = "support/finetune_net.rs"] mod finetune_net;`.
 #![allow(dead_code)]
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device, Module, Tensor};
+use candle_nn::{linear, Linear, VarBuilder};
+use ivme::finetune::{Lora, LoraLinear};
 use std::collections::HashMap;
 use std::path::Path;
+
+/// The residual MLP with LoRA wherever `lora`'s targets say, and a new one-output head.
+pub struct Net {
+    blocks: Vec<(LoraLinear, LoraLinear)>,
+    head: Linear,
+}
+
+impl Net {
+    /// The model of `dims`, its weights from `vb`.
+    pub fn new(vb: VarBuilder, lora: &Lora, dims: Dims) -> candle_core::Result<Net> {
+        let (d, h) = (dims.d, dims.h);
+        let blocks = (0..dims.blocks)
+            .map(|b| {
+                let vb = vb.pp(format!("blocks.{b}"));
+                Ok((
+                    lora.linear(d, h, vb.pp("fc1"))?,
+                    lora.linear(h, d, vb.pp("fc2"))?,
+                ))
+            })
+            .collect::<candle_core::Result<_>>()?;
+        Ok(Net {
+            blocks,
+            head: linear(d, 1, vb.pp("head"))?,
+        })
+    }
+}
+
+impl Module for Net {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let mut h = x.clone();
+        for (fc1, fc2) in &self.blocks {
+            h = (&h + fc2.forward(&fc1.forward(&h)?.tanh()?)?)?;
+        }
+        self.head.forward(&h)
+    }
+}
 
 /// The model's sizes.
 #[derive(Debug, Clone, Copy)]

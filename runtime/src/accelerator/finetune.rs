@@ -13,10 +13,11 @@ use std::path::{Path, PathBuf};
 
 impl Accelerator {
     /// Opens the pretrained model in `folder` (its `*.safetensors`: one file or Hugging Face
-    /// shards) for fine-tuning: memory-mapped, as candle's own loading does, each file
-    /// checksummed, and every process checked to have opened the same files (a mismatch
-    /// names the file and the processes). Build the model over it with
-    /// [`base_var_builder`](Self::base_var_builder).
+    /// shards) for fine-tuning: each file checksummed, and every process checked to have
+    /// opened the same files (a mismatch names the file and the processes). Build the model
+    /// over it with [`base_var_builder`](Self::base_var_builder), which reads each tensor
+    /// when the model asks for it, straight into the tensor's own memory (candle's
+    /// memory-mapped loading would keep the mapped file resident beside the copies).
     ///
     /// ```no_run
     /// # fn main() -> ivme::Result<()> {

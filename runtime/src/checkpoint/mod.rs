@@ -39,7 +39,7 @@ pub(crate) mod names;
 mod parts;
 pub(crate) mod plan;
 pub mod project;
-mod read;
+pub(crate) mod read;
 pub(crate) use parts::Checkpointing;
 pub mod staging;
 pub mod store;

@@ -211,6 +211,26 @@ pub(crate) fn read_header(path: &Path) -> Result<Header> {
     open_with_header(path, true, None).map(|(_, h, _, _)| h)
 }
 
+/// The header of a safetensors file (a regular file, or a link to one) and where its data
+/// starts, for [`read_one`].
+pub(crate) fn read_header_at(path: &Path) -> Result<(Header, u64)> {
+    open_with_header(path, true, None).map(|(_, h, start, _)| (h, start))
+}
+
+/// Reads the one tensor `info` of `file` (whose data starts at `data_start`) with a positioned
+/// read into a buffer of its own, on the CPU: no mapping of the file stays resident.
+pub(crate) fn read_one(
+    file: &std::fs::File,
+    path: &Path,
+    data_start: u64,
+    info: &TensorInfo,
+) -> Result<Tensor> {
+    let mut s = zeroed(path, info.dtype, info.end - info.start)?;
+    file.read_exact_at(bytes_of(&mut s), data_start + info.start as u64)
+        .map_err(io_reading(path))?;
+    into_tensor(s, info)
+}
+
 /// How many threads read `bytes` of tensor data.
 fn readers(bytes: usize) -> usize {
     if bytes < PARALLEL_MIN {

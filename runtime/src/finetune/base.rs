@@ -1,18 +1,21 @@
-//! The pretrained base of a fine-tune: a Hugging Face model folder's safetensors, memory-mapped,
-//! checksummed and agreed across processes, handed to the model as constants.
+//! The pretrained base of a fine-tune: a Hugging Face model folder's safetensors, checksummed
+//! and agreed across processes, each tensor read when the model asks for it and handed out as a
+//! constant.
 
 use super::pattern::matches;
 use super::FineTuning;
+use crate::checkpoint::format::TensorInfo;
 use crate::checkpoint::fsio::size_and_crc;
+use crate::checkpoint::read::{read_header_at, read_one};
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::precision::exact_init::{ExactMasters, SeededInit};
-use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Shape, Tensor, Var};
 use candle_nn::var_builder::SimpleBackend;
 use candle_nn::{Init, VarMap};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
+use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -27,12 +30,38 @@ pub struct BaseFile {
     pub crc32: u32,
 }
 
+/// Where one tensor of the base lies.
+struct Stored {
+    /// Its file, an index into `Opened::handles`.
+    file: usize,
+    /// Where the file's data starts.
+    start: u64,
+    info: TensorInfo,
+}
+
 struct Opened {
     folder: PathBuf,
     files: Vec<BaseFile>,
-    tensors: MmapedSafetensors,
-    /// Each tensor's shape and the file that holds it.
-    shapes: HashMap<String, (Vec<usize>, String)>,
+    /// The open files, read with positioned reads (no mapping stays resident).
+    handles: Vec<(PathBuf, File)>,
+    tensors: HashMap<String, Stored>,
+}
+
+impl Opened {
+    /// The tensor `name` (which the base holds) on `dev` in `dtype`.
+    fn load(&self, name: &str, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
+        let s = &self.tensors[name];
+        let (path, file) = &self.handles[s.file];
+        let t = read_one(file, path, s.start, &s.info).map_err(candle_core::Error::wrap)?;
+        t.to_device(dev)?.to_dtype(dtype)
+    }
+
+    /// The shape of `name` and the name of the file holding it, if the base holds it.
+    fn shape(&self, name: &str) -> Option<(&[usize], &str)> {
+        self.tensors
+            .get(name)
+            .map(|s| (s.info.shape.as_slice(), self.files[s.file].name.as_str()))
+    }
 }
 
 /// A pretrained model folder opened for fine-tuning (see
@@ -50,7 +79,7 @@ impl std::fmt::Debug for Base {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Base")
             .field("folder", &self.opened.folder)
-            .field("tensors", &self.opened.shapes.len())
+            .field("tensors", &self.opened.tensors.len())
             .field("unfreeze", &self.unfreeze)
             .finish()
     }
@@ -58,7 +87,7 @@ impl std::fmt::Debug for Base {
 
 impl Base {
     /// Opens `folder`'s safetensors (see `Accelerator::load_base`): checksummed, checked the
-    /// same on every process through `comm`, memory-mapped.
+    /// same on every process through `comm`, each tensor read when the model asks for it.
     pub(crate) fn open(folder: &Path, comm: &dyn Communicator, record: FineTuning) -> Result<Base> {
         let files = base_files(folder)?;
         let mut listed = Vec::with_capacity(files.len());
@@ -71,28 +100,40 @@ impl Base {
             listed.push(BaseFile { name, bytes, crc32 });
         }
         agree(folder, &listed, comm)?;
-        // SAFETY: the files are mapped read-only; as with candle's own memory-mapped loading,
-        // they must not change while the model uses them (the checksums above catch a base
-        // that differs between processes).
-        let tensors = unsafe { MmapedSafetensors::multi(&files) }
-            .map_err(|e| Error::Prepare(format!("reading the base {}: {e}", folder.display())))?;
-        let mut shapes = HashMap::new();
-        for path in &files {
-            // SAFETY: as above.
-            let one = unsafe { MmapedSafetensors::new(path) }
-                .map_err(|e| Error::Prepare(format!("reading {}: {e}", path.display())))?;
-            let file = path.file_name().unwrap_or_default().to_string_lossy();
-            for (name, view) in one.tensors() {
-                shapes.insert(name, (view.shape().to_vec(), file.to_string()));
+        let mut handles = Vec::with_capacity(files.len());
+        let mut tensors = HashMap::new();
+        for (k, path) in files.iter().enumerate() {
+            let (header, start) = read_header_at(path)?;
+            for info in header.tensors {
+                if let Some(other) = tensors.get(&info.name).map(|s: &Stored| s.file) {
+                    return Err(Error::Prepare(format!(
+                        "the base {} holds `{}` twice, in {} and {}",
+                        folder.display(),
+                        info.name,
+                        listed[other].name,
+                        listed[k].name
+                    )));
+                }
+                tensors.insert(
+                    info.name.clone(),
+                    Stored {
+                        file: k,
+                        start,
+                        info,
+                    },
+                );
             }
+            let file = std::fs::File::open(path)
+                .map_err(|e| Error::io(format!("opening {}", path.display()), e))?;
+            handles.push((path.clone(), file));
         }
         *record.base.lock() = Some(folder.to_path_buf());
         Ok(Base {
             opened: Arc::new(Opened {
                 folder: folder.to_path_buf(),
                 files: listed,
+                handles,
                 tensors,
-                shapes,
             }),
             unfreeze: Vec::new(),
             record,
@@ -170,8 +211,8 @@ impl Base {
     /// `layers.11`, `*` for any characters): they become variables of the `VarMap`, starting
     /// from the base's values. Refused when the pattern matches none of the base's tensors.
     pub fn unfreeze(mut self, pattern: &str) -> Result<Self> {
-        if !self.opened.shapes.keys().any(|n| matches(pattern, n)) {
-            let mut names: Vec<&String> = self.opened.shapes.keys().collect();
+        if !self.opened.tensors.keys().any(|n| matches(pattern, n)) {
+            let mut names: Vec<&String> = self.opened.tensors.keys().collect();
             names.sort();
             let some: Vec<&str> = names.iter().take(8).map(|s| s.as_str()).collect();
             return Err(Error::Prepare(format!(
@@ -201,12 +242,12 @@ impl Base {
 
     /// The number of tensors in the base.
     pub fn len(&self) -> usize {
-        self.opened.shapes.len()
+        self.opened.tensors.len()
     }
 
     /// Whether the base holds no tensor.
     pub fn is_empty(&self) -> bool {
-        self.opened.shapes.is_empty()
+        self.opened.tensors.is_empty()
     }
 
     /// The backend of `Accelerator::base_var_builder`: the base's tensors as constants,
@@ -248,12 +289,6 @@ struct OverBase {
     seeded: SeededInit,
 }
 
-impl OverBase {
-    fn load(&self, name: &str, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
-        self.base.opened.tensors.load(name, dev)?.to_dtype(dtype)
-    }
-}
-
 impl SimpleBackend for OverBase {
     fn get(
         &self,
@@ -266,11 +301,11 @@ impl SimpleBackend for OverBase {
         if self.varmap.data().lock().unwrap().contains_key(name) {
             return self.varmap.get(s, name, h, dtype, dev);
         }
-        let Some((shape, file)) = self.base.opened.shapes.get(name) else {
+        let Some((shape, file)) = self.base.opened.shape(name) else {
             // An adapter, a new head: trained, drawn from the seed.
             return self.seeded.get(s, name, h, dtype, dev);
         };
-        if shape.as_slice() != s.dims() {
+        if shape != s.dims() {
             candle_core::bail!(
                 "the model asks for `{name}` with shape {:?} but the base {} holds it with shape \
                  {shape:?} (in {file}): build the model with the configuration the base was \
@@ -281,11 +316,11 @@ impl SimpleBackend for OverBase {
         }
         if !self.base.unfrozen(name) {
             *self.base.record.constants.lock() += s.elem_count();
-            return self.load(name, dtype, dev);
+            return self.base.opened.load(name, dtype, dev);
         }
-        let exact = self.base.opened.tensors.load(name, dev)?;
+        let exact = self.base.opened.load(name, DType::F32, dev)?;
         let var = Var::from_tensor(&exact.to_dtype(dtype)?)?;
-        if self.low == Some(dtype) && exact.dtype() == DType::F32 {
+        if self.low == Some(dtype) {
             // The master starts from the file's f32 value, not from its rounding.
             self.masters.lock().insert(var.as_tensor().id(), exact);
         }
@@ -301,13 +336,13 @@ impl SimpleBackend for OverBase {
         if self.varmap.data().lock().unwrap().contains_key(name) {
             return self.varmap.get_unchecked(name, dtype, dev);
         }
-        if self.base.opened.shapes.contains_key(name) && !self.base.unfrozen(name) {
-            return self.load(name, dtype, dev);
+        if self.base.opened.tensors.contains_key(name) && !self.base.unfrozen(name) {
+            return self.base.opened.load(name, dtype, dev);
         }
         self.varmap.get_unchecked(name, dtype, dev)
     }
 
     fn contains_tensor(&self, name: &str) -> bool {
-        self.varmap.contains_tensor(name) || self.base.opened.shapes.contains_key(name)
+        self.varmap.contains_tensor(name) || self.base.opened.tensors.contains_key(name)
     }
 }

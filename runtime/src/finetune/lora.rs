@@ -216,7 +216,7 @@ impl LoraLinear {
     }
 
     fn apply(&self, x: &Tensor, train: bool) -> candle_core::Result<Tensor> {
-        let y = self.base.forward(x)?;
+        let y = super::frozen_linear(x, self.base.weight(), self.base.bias())?;
         let Some(ad) = &self.adapter else {
             return Ok(y);
         };

@@ -4,7 +4,7 @@
 //!
 //! | piece | what it does |
 //! |---|---|
-//! | [`Accelerator::load_base`](crate::Accelerator::load_base) | opens a model folder's safetensors memory-mapped, checksums them and checks every process opened the same files |
+//! | [`Accelerator::load_base`](crate::Accelerator::load_base) | opens a model folder's safetensors, checksums them and checks every process opened the same files; each tensor is read when the model asks for it |
 //! | [`Base::var_builder`] | a `VarBuilder` that hands the base's tensors out as constants and creates everything else (adapters, a new head, layers [`Base::unfreeze`] names) as variables of your `VarMap` |
 //! | [`Accelerator::lora`](crate::Accelerator::lora), [`Lora::linear`] | linear layers with a rank-r adapter where the module's name matches a target |
 //! | [`Accelerator::save_adapter`](crate::Accelerator::save_adapter) | `adapter_model.safetensors` + `adapter_config.json`, PEFT's layout |
@@ -16,11 +16,13 @@
 //! computes its gradient. See docs/finetune.md.
 
 mod base;
+mod frozen;
 mod lora;
 mod pattern;
 mod peft;
 
 pub use base::{Base, BaseFile};
+pub use frozen::frozen_linear;
 pub use lora::{Lora, LoraConfig, LoraLinear};
 pub(crate) use peft::write_adapter;
 pub use peft::{merge_adapter, AdapterMerge, ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX};
