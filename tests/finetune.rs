@@ -16,6 +16,7 @@ use candle_nn::{Optimizer, ParamsAdamW};
 use common::{launch, scratch, text};
 use finetune_net::{base_tensors, batch, flat, start_value, write_base, SMALL};
 use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
 
 const CLIP: f64 = 0.05;
 const ACCUM: usize = 2;
@@ -71,6 +72,12 @@ fn trained_shapes() -> Vec<(String, Vec<usize>)> {
 /// Plain candle: `world · ACCUM` micro-batches a step, their mean gradient clipped over the
 /// trained gradients, candle-nn's AdamW.
 fn reference(world: usize) -> BTreeMap<String, Vec<f32>> {
+    reference_over(&[world; STEPS])
+}
+
+/// [`reference`] with step `s` taken on `worlds[s]` processes (a resume on another number):
+/// rank r's j-th micro-batch is batch `r + W·j`, so step s reads batches `s·W·A .. (s+1)·W·A`.
+fn reference_over(worlds: &[usize]) -> BTreeMap<String, Vec<f32>> {
     let base = base_tensors(SMALL);
     let names = trained_shapes();
     let vars: Vec<Var> = names
@@ -82,8 +89,8 @@ fn reference(world: usize) -> BTreeMap<String, Vec<f32>> {
         ..Default::default()
     };
     let mut opt = candle_nn::AdamW::new(vars.clone(), params).unwrap();
-    let n = world * ACCUM;
-    for step in 0..STEPS {
+    for (step, &world) in worlds.iter().enumerate() {
+        let n = world * ACCUM;
         let t: HashMap<String, Tensor> = names
             .iter()
             .zip(&vars)
@@ -130,12 +137,14 @@ fn reference(world: usize) -> BTreeMap<String, Vec<f32>> {
         .collect()
 }
 
-/// Runs the subject on `n` processes; returns every rank's report.
-fn run(n: usize, args: &[&str], tag: &str) -> Vec<serde_json::Value> {
-    let dir = scratch(tag);
+/// Runs the subject on `n` processes over `dir/base` (written first if missing), its reports in
+/// `dir/{out}`; returns every rank's report.
+fn run_in(dir: &Path, n: usize, out: &str, args: &[&str]) -> Vec<serde_json::Value> {
     let base = dir.join("base");
-    write_base(&base, SMALL);
-    let out = dir.join("out");
+    if !base.is_dir() {
+        write_base(&base, SMALL);
+    }
+    let out = dir.join(out);
     let mut all: Vec<String> = args.iter().map(|a| a.to_string()).collect();
     all.push(format!("base={}", base.display()));
     all.push(format!("out={}", out.display()));
@@ -146,12 +155,18 @@ fn run(n: usize, args: &[&str], tag: &str) -> Vec<serde_json::Value> {
     let o = launch(n, &common::example_bin("finetune_check"), &refs, &[]);
     let (so, se) = text(&o);
     assert!(o.status.success(), "{args:?} on {n}: failed\n{so}\n{se}");
-    let reports = (0..n)
+    (0..n)
         .map(|r| {
             let b = std::fs::read(out.join(format!("rank{r}.json"))).expect("a rank's report");
             serde_json::from_slice(&b).expect("JSON")
         })
-        .collect();
+        .collect()
+}
+
+/// Runs the subject on `n` processes in a scratch folder of its own; returns every rank's report.
+fn run(n: usize, args: &[&str], tag: &str) -> Vec<serde_json::Value> {
+    let dir = scratch(tag);
+    let reports = run_in(&dir, n, "out", args);
     let _ = std::fs::remove_dir_all(&dir);
     reports
 }
@@ -275,6 +290,59 @@ fn a_bf16_fine_tune_trains_alike_in_both_layouts_and_near_the_f32_reference() {
         rel <= 0.02,
         "bf16 ends {rel} (relative) from the f32 reference"
     );
+}
+
+#[test]
+fn a_fine_tune_resumes_exactly_on_the_same_and_another_number_of_processes_and_refuses_a_changed_base(
+) {
+    let dir = scratch("ft-resume");
+    let whole = run_in(&dir, 2, "whole", &[]);
+    let ckpt = dir.join("ckpt");
+    let save = format!("save={}", ckpt.display());
+    run_in(&dir, 2, "first", &[&save, "save_after=1"]);
+    let resume = format!("resume={}", ckpt.display());
+    let same = run_in(&dir, 2, "same", &[&resume, "resume_at=1"]);
+    for rank in 0..2 {
+        assert_eq!(
+            params(&same[rank]),
+            params(&whole[rank]),
+            "rank {rank}: resumed on 2"
+        );
+    }
+    let want = reference_over(&[2, 3, 3]);
+    for (rank, r) in run_in(&dir, 3, "three", &[&resume, "resume_at=1"])
+        .iter()
+        .enumerate()
+    {
+        let got = params(r);
+        for (k, v) in &want {
+            let d = max_diff(&got[k], v);
+            assert!(d <= 1e-6, "resumed on 3, rank {rank}: `{k}` is {d} away");
+        }
+    }
+    // The base changed since the save: refused, naming the file.
+    let mut changed = base_tensors(SMALL);
+    let w = changed["blocks.0.fc1.weight"].clone();
+    changed.insert("blocks.0.fc1.weight".into(), (w * 1.01).unwrap());
+    candle_core::safetensors::save(&changed, dir.join("base/model.safetensors")).unwrap();
+    let refs = [
+        format!("base={}", dir.join("base").display()),
+        format!("out={}", dir.join("changed").display()),
+        resume,
+        "resume_at=1".to_string(),
+    ];
+    let refs: Vec<&str> = refs.iter().map(String::as_str).collect();
+    let o = launch(2, &common::example_bin("finetune_check"), &refs, &[]);
+    let (so, se) = text(&o);
+    assert!(
+        !o.status.success(),
+        "resumed over a changed base\n{so}\n{se}"
+    );
+    assert!(
+        se.contains("`model.safetensors`") && se.contains("pretrained weights changed"),
+        "{se}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// The merged model's output, with plain linears over the merged folder's weights.

@@ -4,8 +4,10 @@
 //! micro-step handed to collectives to `out/rank{R}.json`.
 //!
 //! Arguments are `key=value`: `base=DIR out=DIR layout=constant|subset precision=no|bf16
-//! accum=A steps=K clip=F sharding=no|optimizer|gradients adapter_out=DIR base_rank1=DIR`
-//! (rank 1 opens another base: a test of the check that every process opened the same). `layout=constant`
+//! accum=A steps=K clip=F sharding=no|optimizer|gradients adapter_out=DIR base_rank1=DIR save=DIR save_after=K
+//! resume=DIR resume_at=K`: rank 1 opens another base (a test of the check that every process
+//! opened the same); the state is saved to `save` after K optimizer steps; a resumed run loads
+//! `resume` (saved after `resume_at` steps) and trains the rest. `layout=constant`
 //! reads the base as constants (`base_var_builder`); `layout=subset` makes every weight a
 //! variable of one `VarMap`, loads the base into it and hands the optimizer the adapters and
 //! the head only. `steps` counts optimizer steps; micro-batch `r + W·j` is rank r's j-th.
@@ -101,8 +103,14 @@ fn main() -> ivme::Result<()> {
     let mut opt = acc.prepare_optimizer_of(AdamW::new(trained, params))?;
     let world = acc.num_processes();
     let rank = acc.process_index();
+    let mut first = 0;
+    if let Some(dir) = args.get("resume") {
+        acc.load_state(Some(std::path::Path::new(dir)))?;
+        first = get("resume_at", "0").parse::<usize>().expect("resume_at") * accum;
+    }
+    let save_after: usize = get("save_after", "0").parse().expect("save_after");
     let mut bytes = Vec::new();
-    for j in 0..steps * accum {
+    for j in first..steps * accum {
         let (x, y) = batch(rank + world * j, SMALL.d);
         let before = acc.collective_bytes();
         let outputs = acc.autocast(|ac| net.forward(&ac.input(&x)?))?;
@@ -110,6 +118,9 @@ fn main() -> ivme::Result<()> {
         let grads = acc.backward(&loss)?;
         opt.step(&grads)?;
         bytes.push(acc.collective_bytes() - before);
+        if j + 1 == save_after * accum {
+            acc.save_state(Some(std::path::Path::new(&get("save", "ckpt"))))?;
+        }
     }
     if let Some(dir) = args.get("adapter_out") {
         acc.save_adapter(std::path::Path::new(dir), &lora)?;

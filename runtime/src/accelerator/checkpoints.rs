@@ -247,7 +247,12 @@ impl Accelerator {
         ManifestMeta {
             world_size: self.num_processes(),
             step: self.optimizer_steps(),
-            extra: json!({ "precision": self.precision().as_str(), "layout": layout }),
+            extra: json!({
+                "precision": self.precision().as_str(),
+                "layout": layout,
+                // A fine-tune's base, checked on resume (finetune::BaseRecord).
+                "base": self.finetune.base.lock().clone(),
+            }),
         }
     }
 

@@ -152,7 +152,7 @@ impl Accelerator {
                     .into(),
             ));
         }
-        let base = self.finetune.base.lock().clone();
+        let base = self.finetune.base.lock().as_ref().map(|b| b.folder.clone());
         let written = if self.is_main_process() {
             crate::finetune::write_adapter(
                 dir,

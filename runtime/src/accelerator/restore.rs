@@ -67,6 +67,26 @@ impl Accelerator {
         out
     }
 
+    /// Refuses a fine-tune's checkpoint unless this run opened the same base it was trained
+    /// over (the manifest records each base file's size and checksum).
+    fn check_base(
+        &self,
+        dir: &Path,
+        manifest: &store::Manifest,
+    ) -> std::result::Result<(), Refusal> {
+        let saved = &manifest.extra["base"];
+        if saved.is_null() {
+            return Ok(());
+        }
+        let unfit =
+            |msg: String| Refusal::Unfit(Error::checkpoint(dir, CheckpointErrorKind::Unfit, msg));
+        let saved: crate::finetune::BaseRecord = serde_json::from_value(saved.clone())
+            .map_err(|e| unfit(format!("records a base this build cannot read ({e})")))?;
+        saved
+            .check(self.finetune.base.lock().as_ref())
+            .map_err(unfit)
+    }
+
     /// Refuses a saved rank's state whose components are not exactly the ones this run saves.
     fn check_components(
         &self,
@@ -153,6 +173,7 @@ impl Accelerator {
 
     fn plan_checkpoint(&self, dir: &Path) -> std::result::Result<Plan, Refusal> {
         let manifest = store::read_manifest(dir).map_err(Refusal::Damaged)?;
+        self.check_base(dir, &manifest)?;
         let layout = Layout::of(dir, &manifest).map_err(Refusal::Damaged)?;
         let sharded = layout.is_sharded();
         let rank = self.process_index();

@@ -127,7 +127,10 @@ impl Base {
                 .map_err(|e| Error::io(format!("opening {}", path.display()), e))?;
             handles.push((path.clone(), file));
         }
-        *record.base.lock() = Some(folder.to_path_buf());
+        *record.base.lock() = Some(super::BaseRecord {
+            folder: folder.to_path_buf(),
+            files: listed.clone(),
+        });
         Ok(Base {
             opened: Arc::new(Opened {
                 folder: folder.to_path_buf(),

@@ -32,6 +32,69 @@ use crate::stateful::Shared;
 use candle_nn::VarMap;
 use std::path::PathBuf;
 
+/// The base a fine-tune was built over, as checkpoints record it: the folder and each
+/// safetensors file's name, size and CRC-32. A resume checks the base it runs over against it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct BaseRecord {
+    /// The folder, as the program named it.
+    pub folder: PathBuf,
+    /// Its safetensors files, in name order.
+    pub files: Vec<BaseFile>,
+}
+
+impl BaseRecord {
+    /// Refuses `now` (the base this run opened, if any) unless it has the same files with the
+    /// same sizes and checksums as this record; the error names the first file that differs.
+    pub(crate) fn check(&self, now: Option<&BaseRecord>) -> std::result::Result<(), String> {
+        let Some(now) = now else {
+            return Err(format!(
+                "was trained over the base {} ({} file(s)), but this run opened no base: build \
+                 the model with `accelerator.load_base(..)` and `base_var_builder` first",
+                self.folder.display(),
+                self.files.len()
+            ));
+        };
+        for want in &self.files {
+            match now.files.iter().find(|f| f.name == want.name) {
+                None => {
+                    return Err(format!(
+                        "was trained over a base with `{}`, which the base this run opened ({}) \
+                         lacks",
+                        want.name,
+                        now.folder.display()
+                    ))
+                }
+                Some(got) if got != want => {
+                    return Err(format!(
+                        "was trained over a base whose `{}` is {} bytes with CRC-32 {:08x}; in {} \
+                         it is {} bytes with CRC-32 {:08x}: the pretrained weights changed, so \
+                         the adapters would no longer fit them",
+                        want.name,
+                        want.bytes,
+                        want.crc32,
+                        now.folder.display(),
+                        got.bytes,
+                        got.crc32
+                    ))
+                }
+                Some(_) => {}
+            }
+        }
+        if let Some(extra) = now
+            .files
+            .iter()
+            .find(|f| !self.files.iter().any(|w| w.name == f.name))
+        {
+            return Err(format!(
+                "was trained over a base without `{}`, which {} holds",
+                extra.name,
+                now.folder.display()
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// A name pattern the user gave (a LoRA target, a layer to unfreeze) and how many names it
 /// matched, so one that matches nothing is refused at prepare instead of training nothing.
 #[derive(Debug, Clone)]
@@ -51,8 +114,8 @@ pub(crate) struct FineTuning {
     pub(crate) targets: Shared<Vec<Target>>,
     /// Every module name a [`Lora`] was asked to build, adapted or not (for error messages).
     pub(crate) seen: Shared<Vec<String>>,
-    /// The base folder loaded last, and the parameters it handed out as constants.
-    pub(crate) base: Shared<Option<PathBuf>>,
+    /// The base loaded last, and the parameters it handed out as constants.
+    pub(crate) base: Shared<Option<BaseRecord>>,
     pub(crate) constants: Shared<usize>,
 }
 
@@ -60,7 +123,7 @@ impl std::fmt::Debug for FineTuning {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("FineTuning")
             .field("targets", &*self.targets.lock())
-            .field("base", &*self.base.lock())
+            .field("base", &self.base.lock().as_ref().map(|b| b.folder.clone()))
             .finish()
     }
 }
