@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! cargo build --release --workspace --bins --examples
-//! target/release/ivme launch --num_processes 2 target/release/examples/finetune_lora [DIR]
+//! target/release/ivme launch --num_processes 2 target/release/examples/finetune_lora [DIR [EPOCHS]]
 //! target/release/ivme merge-weights --adapter DIR/adapter DIR/merged
 //! ```
 //!
@@ -116,10 +116,13 @@ fn write_pretrained(folder: &Path) -> candle_core::Result<()> {
     let mut rng = Rng::new(2024);
     let mut tensors = std::collections::HashMap::new();
     let dev = Device::Cpu;
-    tensors.insert(
-        "embed.weight".to_string(),
-        rng.randn(0.0, 1.0, (VOCAB, WIDTH), &dev)?,
-    );
+    // Pretrained-like: each token's embedding leans towards one of four directions (its id
+    // modulo 4), the structure the fine-tune's task uses.
+    let directions = rng.randn(0.0, 0.1, (CLASSES, WIDTH), &dev)?;
+    let ids: Vec<u32> = (0..VOCAB as u32).map(|t| t % CLASSES as u32).collect();
+    let lean = directions.index_select(&Tensor::new(ids.as_slice(), &dev)?, 0)?;
+    let embed = (rng.randn(0.0, 1.0, (VOCAB, WIDTH), &dev)? + lean)?;
+    tensors.insert("embed.weight".to_string(), embed);
     for i in 0..BLOCKS {
         for (name, (out, inp)) in [("up", (2 * WIDTH, WIDTH)), ("down", (WIDTH, 2 * WIDTH))] {
             let std = 1.0 / (inp as f32).sqrt();
@@ -144,18 +147,26 @@ fn write_pretrained(folder: &Path) -> candle_core::Result<()> {
     Ok(())
 }
 
-/// 64 batches of 16 sequences whose class is the sum of their first two tokens modulo 4,
-/// identical on every process (one seed).
+/// 64 batches of 16 sequences of a class 0..4: half of a sequence's tokens are of its class
+/// (their id modulo 4), the rest anything; identical on every process (one seed).
 fn batches() -> candle_core::Result<Vec<(Tensor, Tensor)>> {
     let mut rng = Rng::new(7);
     (0..64)
         .map(|_| {
-            let tokens: Vec<u32> = (0..16 * TOKENS)
-                .map(|_| (rng.next_u64() % VOCAB as u64) as u32)
+            let labels: Vec<u32> = (0..16)
+                .map(|_| (rng.next_u64() % CLASSES as u64) as u32)
                 .collect();
-            let labels: Vec<u32> = tokens
-                .chunks(TOKENS)
-                .map(|s| (s[0] + s[1]) % CLASSES as u32)
+            let tokens: Vec<u32> = labels
+                .iter()
+                .flat_map(|&c| (0..TOKENS).map(move |k| (c, k)))
+                .map(|(c, k)| {
+                    let t = (rng.next_u64() % VOCAB as u64) as u32;
+                    if k % 2 == 0 {
+                        t - t % CLASSES as u32 + c
+                    } else {
+                        t
+                    }
+                })
                 .collect();
             Ok((
                 Tensor::from_vec(tokens, (16, TOKENS), &Device::Cpu)?,
@@ -171,6 +182,10 @@ fn main() -> candle_core::Result<()> {
             .nth(1)
             .unwrap_or_else(|| "runs/finetune_lora".into()),
     );
+    let epochs = std::env::args()
+        .nth(2)
+        .and_then(|e| e.parse().ok())
+        .unwrap_or(3);
     write_pretrained(&dir.join("pretrained"))?;
-    finetune(&dir, batches()?, 2)
+    finetune(&dir, batches()?, epochs)
 }

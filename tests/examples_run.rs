@@ -39,3 +39,33 @@ fn the_runtime_tutorial_trains_on_one_and_two_processes() {
     check("tutorial", 1, "4");
     check("tutorial", 2, "4");
 }
+
+#[test]
+fn the_lora_example_fine_tunes_on_two_processes_and_its_adapter_merges() {
+    let dir = common::scratch("example-lora");
+    let d = dir.display().to_string();
+    let o = common::launch(2, &common::example_bin("finetune_lora"), &[&d, "3"], &[]);
+    let (so, se) = common::text(&o);
+    assert!(o.status.success(), "finetune_lora: {se}");
+    let l = losses(&so);
+    assert_eq!(
+        l.len(),
+        3,
+        "one line per epoch from the main process:\n{so}"
+    );
+    assert!(l[2] < l[0] * 0.5, "loss did not fall: {l:?}");
+    assert!(
+        se.contains("training 0.04 M of 7.38 M parameters"),
+        "the share that trains is said once:\n{se}"
+    );
+    let merged = dir.join("merged");
+    let o = std::process::Command::new(common::ivme_bin())
+        .args(["merge-weights", "--adapter"])
+        .arg(dir.join("adapter"))
+        .arg(&merged)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{:?}", common::text(&o));
+    assert!(merged.join("model.safetensors").is_file() && merged.join("config.json").is_file());
+    let _ = std::fs::remove_dir_all(&dir);
+}

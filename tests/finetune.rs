@@ -237,6 +237,30 @@ fn a_lora_fine_tune_over_a_constant_base_matches_plain_candle_on_1_2_and_3_proce
 }
 
 #[test]
+fn a_lora_fine_tune_trains_alike_under_zero_1_and_2() {
+    for world in [2, 3] {
+        let want = reference(world);
+        for stage in ["sharding=optimizer", "sharding=gradients"] {
+            let reports = run(
+                world,
+                &["layout=constant", stage],
+                &format!("ft-zero-{world}"),
+            );
+            for (rank, r) in reports.iter().enumerate() {
+                let got = params(r);
+                for (k, v) in &want {
+                    let d = max_diff(&got[k], v);
+                    assert!(
+                        d <= 1e-6,
+                        "{stage} on {world}, rank {rank}: `{k}` is {d} away"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
 fn a_subset_optimizer_over_one_varmap_trains_like_the_constant_base_and_syncs_only_what_trains() {
     let constant = run(2, &["layout=constant"], "ft-cmp-const");
     let subset = run(2, &["layout=subset"], "ft-cmp-subset");
