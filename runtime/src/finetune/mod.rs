@@ -5,7 +5,7 @@
 //! | piece | what it does |
 //! |---|---|
 //! | [`Accelerator::load_base`](crate::Accelerator::load_base) | opens a model folder's safetensors, checksums them and checks every process opened the same files; each tensor is read when the model asks for it |
-//! | [`Base::var_builder`] | a `VarBuilder` that hands the base's tensors out as constants and creates everything else (adapters, a new head, layers [`Base::unfreeze`] names) as variables of your `VarMap` |
+//! | [`Accelerator::base_var_builder`](crate::Accelerator::base_var_builder) | a `VarBuilder` that hands the base's tensors out as constants and creates everything else (adapters, a new head, layers [`Base::unfreeze`] names) as variables of your `VarMap` |
 //! | [`Accelerator::lora`](crate::Accelerator::lora), [`Lora::linear`] | linear layers with a rank-r adapter where the module's name matches a target |
 //! | [`Accelerator::save_adapter`](crate::Accelerator::save_adapter) | `adapter_model.safetensors` + `adapter_config.json`, PEFT's layout |
 //! | [`merge_adapter`] (`ivme merge-weights --adapter`) | folds an adapter into its base: a plain model folder |
