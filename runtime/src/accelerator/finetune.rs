@@ -88,14 +88,18 @@ impl Accelerator {
     ///
     /// ```no_run
     /// # fn main() -> ivme::Result<()> {
+    /// use candle_nn::Optimizer;
     /// use ivme::optim::{AdamW, ParamsAdamW};
     /// let mut accelerator = ivme::Accelerator::new()?;
     /// let varmap = candle_nn::VarMap::new();
     /// let vb = accelerator.var_builder(&varmap, candle_core::DType::F32);
     /// let body = candle_nn::linear(8, 8, vb.pp("body"))?;
     /// let head = candle_nn::linear(8, 1, vb.pp("head"))?;
-    /// let trained = vec![candle_core::Var::from_tensor(head.weight())?];
-    /// # let trained: Vec<candle_core::Var> = varmap.all_vars();
+    /// // The head's variables: the body stays frozen.
+    /// let trained: Vec<candle_core::Var> = {
+    ///     let vars = varmap.data().lock().unwrap();
+    ///     vars.iter().filter(|(n, _)| n.starts_with("head.")).map(|(_, v)| v.clone()).collect()
+    /// };
     /// let opt = accelerator.prepare_optimizer_of(AdamW::new(trained, ParamsAdamW::default()))?;
     /// # let _ = (body, opt); Ok(()) }
     /// ```
