@@ -471,6 +471,36 @@ fn the_adapter_is_saved_in_peft_layout_and_merge_weights_folds_it_into_the_base(
             "batch {j}: the merged model is {d} away from base + adapters"
         );
     }
+
+    // The adapter loads back into a model built the same way, and computes what it trained.
+    let mut acc = single();
+    let lora = acc
+        .lora(ivme::finetune::LoraConfig::new(4, 8.0, &["fc1", "fc2"]))
+        .unwrap();
+    let varmap = candle_nn::VarMap::new();
+    let b = acc.load_base(&base_dir).unwrap();
+    let net = finetune_net::Net::new(acc.base_var_builder(&b, &varmap, DType::F32), &lora, SMALL)
+        .unwrap();
+    let opt = ivme::optim::AdamW::new(varmap.all_vars(), Default::default());
+    acc.prepare_optimizer_of(opt).unwrap();
+    let report = acc.load_adapter(&adapter).unwrap();
+    assert_eq!(report.loaded.len(), trained.len());
+    for (name, var) in acc.named_master_vars() {
+        assert_eq!(
+            flat(var.as_tensor()),
+            trained[&name],
+            "`{name}` loaded back"
+        );
+    }
+    let (x, _) = batch(7, SMALL.d);
+    let d = max_diff(
+        &flat(&candle_core::Module::forward(&net, &x).unwrap()),
+        &flat(&forward(&x, &base, &t)),
+    );
+    assert!(
+        d <= 1e-5,
+        "the loaded adapter computes {d} away from base + adapters"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -3,6 +3,7 @@
 //! over any subset of a model's variables.
 
 use crate::accelerator::Accelerator;
+use crate::checkpoint::model::LoadReport;
 use crate::error::{Error, Result};
 use crate::finetune::{Base, Lora, LoraConfig};
 use crate::optim::{AcceleratedOptimizer, StatefulOptimizer};
@@ -169,5 +170,19 @@ impl Accelerator {
             Ok(Vec::new())
         };
         self.agree("saving the adapter", written)
+    }
+
+    /// Loads an adapter folder [`save_adapter`](Self::save_adapter) (or Python's PEFT) wrote
+    /// into the prepared models' trained variables, on every rank: each trained variable `n`
+    /// takes `base_model.model.n` from `adapter_model.safetensors` (their f32 values become
+    /// the masters; the model's low-precision copies are refreshed). Build the model with the
+    /// same LoRA targets and rank first; a trained variable the adapter lacks, or one whose
+    /// shape differs, is an error that names it, and nothing is changed.
+    pub fn load_adapter(&self, dir: &Path) -> Result<LoadReport> {
+        let file = dir.join(crate::finetune::ADAPTER_WEIGHTS);
+        self.load_named(&file, |m, i| {
+            (m.trained[i] && !m.buffer[i])
+                .then(|| format!("{}{}", crate::finetune::PEFT_PREFIX, m.names[i]))
+        })
     }
 }

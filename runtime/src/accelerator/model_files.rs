@@ -4,6 +4,7 @@
 use crate::accelerator::Accelerator;
 use crate::checkpoint::model::{load_checkpoint_in_model, save_model, LoadReport, ShardSize};
 use crate::error::Result;
+use crate::train::grads::ParamSet;
 use candle_core::{DType, Tensor, Var};
 use std::path::Path;
 
@@ -37,10 +38,26 @@ impl Accelerator {
     /// values as they are (under sharding too: each process's slice comes from them, not from
     /// the weights rounded to the compute dtype).
     pub fn load_model(&self, path: &Path) -> Result<LoadReport> {
+        self.load_named(path, |m, i| Some(m.names[i].clone()))
+    }
+
+    /// Loads the file or folder at `path` into the prepared models' variables that `key`
+    /// names (by the name the file holds them under; `None` leaves a variable out), as
+    /// [`load_model`](Self::load_model) says.
+    pub(crate) fn load_named(
+        &self,
+        path: &Path,
+        key: impl Fn(&ParamSet, usize) -> Option<String>,
+    ) -> Result<LoadReport> {
         // Under sharding no process holds whole masters: f32 stand-ins, starting from the
         // current weights, receive the file's values.
         let mut standins: Vec<Option<Vec<Var>>> = Vec::with_capacity(self.training.models().len());
         let mut vars = Vec::new();
+        let keyed = |m: &ParamSet, values: &[Var]| -> Vec<(String, Var)> {
+            (0..values.len())
+                .filter_map(|i| key(m, i).map(|k| (k, values[i].clone())))
+                .collect()
+        };
         for m in self.training.models() {
             match &m.shard {
                 Some(_) => {
@@ -49,11 +66,11 @@ impl Accelerator {
                         .iter()
                         .map(|c| Ok(Var::from_tensor(&c.as_tensor().to_dtype(DType::F32)?)?))
                         .collect::<Result<Vec<Var>>>()?;
-                    vars.extend(m.names.iter().cloned().zip(whole.iter().cloned()));
+                    vars.extend(keyed(m, &whole));
                     standins.push(Some(whole));
                 }
                 None => {
-                    vars.extend(m.names.iter().cloned().zip(m.master.iter().cloned()));
+                    vars.extend(keyed(m, &m.master));
                     standins.push(None);
                 }
             }

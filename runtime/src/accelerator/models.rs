@@ -229,7 +229,10 @@ impl Accelerator {
         if !whole {
             return Err(Error::Prepare(
                 "under sharding an optimizer updates all of one prepared model's variables: \
-                 build it over `varmap.all_vars()` (one optimizer per model)"
+                 build it over `varmap.all_vars()` (one optimizer per model); to train part of \
+                 a pretrained model under sharding, read the frozen part as constants \
+                 (`accelerator.load_base(..)` and `base_var_builder`, docs/finetune.md), so \
+                 the VarMap holds only what trains"
                     .into(),
             ));
         }
