@@ -1,0 +1,167 @@
+//! candle-transformers' Llama, its code unchanged, saved as a Hugging Face folder and fine-tuned
+//! as a frozen base under a new classification head: ivme's `base_var_builder` hands every Llama
+//! weight out as a constant, only the head trains, and the head ends where plain candle puts it
+//! (the Llama read with `VarBuilder::from_mmaped_safetensors`, the window's mean gradient clipped
+//! over the head's gradients, candle-nn's AdamW).
+
+use candle_core::{DType, Device, Module, Tensor, Var};
+use candle_nn::{Optimizer, VarBuilder, VarMap};
+use candle_transformers::models::llama;
+use std::path::Path;
+
+const ACCUM: usize = 2;
+const STEPS: usize = 3;
+const CLIP: f64 = 0.05;
+const VOCAB: usize = 64;
+
+fn config() -> llama::Config {
+    let cfg: llama::LlamaConfig = serde_json::from_str(&format!(
+        r#"{{"hidden_size": 32, "intermediate_size": 64, "vocab_size": {VOCAB},
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 64,
+            "tie_word_embeddings": false}}"#
+    ))
+    .unwrap();
+    cfg.into_config(false)
+}
+
+/// A "pretrained" Llama: candle's own initialisation, saved as `dir/model.safetensors`.
+fn write_base(dir: &Path) {
+    std::fs::create_dir_all(dir).unwrap();
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    llama::Llama::load(vb, &config()).unwrap();
+    varmap.save(dir.join("model.safetensors")).unwrap();
+}
+
+/// The head's starting weight and bias (vocabulary logits → 4 classes), the same in both runs.
+fn head_start() -> (Tensor, Tensor) {
+    let w: Vec<f32> = (0..4 * VOCAB)
+        .map(|i| 0.1 * (i as f32 * 0.37).sin())
+        .collect();
+    (
+        Tensor::from_vec(w, (4, VOCAB), &Device::Cpu).unwrap(),
+        Tensor::new(&[0.01f32, -0.02, 0.03, 0.0], &Device::Cpu).unwrap(),
+    )
+}
+
+/// Micro-batch `j`: two sequences of 8 tokens and their classes.
+fn batch(j: usize) -> (Tensor, Tensor) {
+    let t: Vec<u32> = (0..16).map(|i| ((i * 7 + j * 13) % VOCAB) as u32).collect();
+    let labels = vec![(j % 4) as u32, ((j + 1) % 4) as u32];
+    (
+        Tensor::from_vec(t, (2, 8), &Device::Cpu).unwrap(),
+        Tensor::from_vec(labels, 2, &Device::Cpu).unwrap(),
+    )
+}
+
+fn loss(model: &llama::Llama, head: &candle_nn::Linear, j: usize) -> Tensor {
+    let (tokens, labels) = batch(j);
+    let mut cache = llama::Cache::new(false, DType::F32, &config(), &Device::Cpu).unwrap();
+    let logits = model.forward(&tokens, 0, &mut cache).unwrap();
+    candle_nn::loss::cross_entropy(&head.forward(&logits).unwrap(), &labels).unwrap()
+}
+
+fn flat(t: &Tensor) -> Vec<f32> {
+    t.flatten_all().unwrap().to_vec1().unwrap()
+}
+
+/// Plain candle: the base as constants, the head as variables.
+fn reference(base: &Path) -> Vec<Vec<f32>> {
+    let file = base.join("model.safetensors");
+    // SAFETY: the test's own file, not changed while mapped.
+    let vb =
+        unsafe { VarBuilder::from_mmaped_safetensors(&[file], DType::F32, &Device::Cpu) }.unwrap();
+    let model = llama::Llama::load(vb, &config()).unwrap();
+    let (w, b) = head_start();
+    let (w, b) = (Var::from_tensor(&w).unwrap(), Var::from_tensor(&b).unwrap());
+    let head = candle_nn::Linear::new(w.as_tensor().clone(), Some(b.as_tensor().clone()));
+    let vars = [w.clone(), b.clone()];
+    let mut opt = candle_nn::AdamW::new(vars.to_vec(), Default::default()).unwrap();
+    for step in 0..STEPS {
+        let mut sums = [None::<Tensor>, None];
+        for j in step * ACCUM..(step + 1) * ACCUM {
+            let g = (loss(&model, &head, j) / ACCUM as f64)
+                .unwrap()
+                .backward()
+                .unwrap();
+            for (s, v) in sums.iter_mut().zip(&vars) {
+                let gv = g.get(v.as_tensor()).unwrap().clone();
+                *s = Some(match s.take() {
+                    Some(t) => (t + gv).unwrap(),
+                    None => gv,
+                });
+            }
+        }
+        let sums: Vec<Tensor> = sums.into_iter().map(Option::unwrap).collect();
+        let norm = sums
+            .iter()
+            .map(|g| {
+                g.sqr()
+                    .unwrap()
+                    .sum_all()
+                    .unwrap()
+                    .to_scalar::<f32>()
+                    .unwrap() as f64
+            })
+            .sum::<f64>()
+            .sqrt();
+        assert!(norm > CLIP, "the reference must clip ({norm})");
+        let coef = (CLIP / (norm + 1e-6)).min(1.0);
+        let mut store = candle_core::backprop::GradStore::default();
+        for (v, g) in vars.iter().zip(sums) {
+            store.insert(v.as_tensor(), (g * coef).unwrap());
+        }
+        opt.step(&store).unwrap();
+    }
+    vars.iter().map(|v| flat(v.as_tensor())).collect()
+}
+
+#[test]
+fn a_llama_read_as_a_frozen_base_trains_only_its_new_head_as_plain_candle_does() {
+    let dir = std::env::temp_dir().join(format!("ivme-ft-llama-{}", std::process::id()));
+    let base_dir = dir.join("base");
+    write_base(&base_dir);
+    let mut acc = ivme::Accelerator::builder()
+        .cpu(true)
+        .grad_accum(ACCUM)
+        .clip_grad_norm(CLIP)
+        .build()
+        .unwrap();
+    let base = acc.load_base(&base_dir).unwrap();
+    let varmap = VarMap::new();
+    let vb = acc.base_var_builder(&base, &varmap, DType::F32);
+    let model = llama::Llama::load(vb.clone(), &config()).unwrap();
+    let head = candle_nn::linear(VOCAB, 4, vb.pp("cls")).unwrap();
+    let (w, b) = head_start();
+    {
+        let data = varmap.data().lock().unwrap();
+        let mut names: Vec<&String> = data.keys().collect();
+        names.sort();
+        assert_eq!(
+            names,
+            ["cls.bias", "cls.weight"],
+            "only the new head is a variable"
+        );
+        data["cls.weight"].set(&w).unwrap();
+        data["cls.bias"].set(&b).unwrap();
+    }
+    let opt = ivme::optim::AdamW::new(varmap.all_vars(), Default::default());
+    let mut opt = acc.prepare_optimizer(&varmap, opt).unwrap();
+    for j in 0..STEPS * ACCUM {
+        let grads = acc.backward(&loss(&model, &head, j)).unwrap();
+        opt.step(&grads).unwrap();
+    }
+    let got = [flat(head.weight()), flat(head.bias().unwrap())];
+    let want = reference(&base_dir);
+    for (name, (g, w)) in ["cls.weight", "cls.bias"].iter().zip(got.iter().zip(&want)) {
+        let d = g
+            .iter()
+            .zip(w)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f32::max);
+        assert!(d <= 1e-6, "`{name}` is {d} from plain candle");
+    }
+    assert_ne!(got[0], flat(&head_start().0), "the head trained");
+    let _ = std::fs::remove_dir_all(&dir);
+}
