@@ -7,6 +7,7 @@
 //! Needs the built binaries: `cargo build --workspace --bins --examples`.
 
 mod common;
+mod reference;
 
 #[path = "../examples/support/finetune_net.rs"]
 mod finetune_net;
@@ -15,6 +16,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{Optimizer, ParamsAdamW};
 use common::{launch, scratch, text};
 use finetune_net::{base_tensors, batch, flat, start_value, write_base, SMALL};
+use reference::clipped_window_step;
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
@@ -96,39 +98,12 @@ fn reference_over(worlds: &[usize]) -> BTreeMap<String, Vec<f32>> {
             .zip(&vars)
             .map(|((k, _), v)| (k.clone(), v.as_tensor().clone()))
             .collect();
-        let mut sums: Vec<Option<Tensor>> = vec![None; vars.len()];
-        for j in step * n..(step + 1) * n {
+        let losses = (step * n..(step + 1) * n).map(|j| {
             let (x, y) = batch(j, SMALL.d);
-            let loss = candle_nn::loss::mse(&forward(&x, &base, &t), &y).unwrap();
-            let g = (loss / n as f64).unwrap().backward().unwrap();
-            for (sum, v) in sums.iter_mut().zip(&vars) {
-                let gv = g.get(v.as_tensor()).unwrap().clone();
-                *sum = Some(match sum.take() {
-                    Some(s) => (s + gv).unwrap(),
-                    None => gv,
-                });
-            }
-        }
-        let sums: Vec<Tensor> = sums.into_iter().map(Option::unwrap).collect();
-        let total = sums
-            .iter()
-            .map(|g| {
-                g.sqr()
-                    .unwrap()
-                    .sum_all()
-                    .unwrap()
-                    .to_scalar::<f32>()
-                    .unwrap() as f64
-            })
-            .sum::<f64>()
-            .sqrt();
-        assert!(total > CLIP, "the reference must clip (norm {total})");
-        let coef = (CLIP / (total + 1e-6)).min(1.0);
-        let mut store = candle_core::backprop::GradStore::default();
-        for (v, g) in vars.iter().zip(sums) {
-            store.insert(v.as_tensor(), (g * coef).unwrap());
-        }
-        opt.step(&store).unwrap();
+            (candle_nn::loss::mse(&forward(&x, &base, &t), &y).unwrap() / n as f64).unwrap()
+        });
+        let norm = clipped_window_step(&mut opt, &vars, losses, CLIP);
+        assert!(norm > CLIP, "the reference must clip (norm {norm})");
     }
     names
         .iter()

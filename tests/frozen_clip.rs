@@ -3,8 +3,12 @@
 //! optimizer's parameters does (candle computes the frozen backbone's gradients all the same).
 //! Against plain candle clipping the head's gradients and stepping candle-nn's AdamW.
 
+#[path = "reference/mod.rs"]
+mod reference;
+
 use candle_core::{DType, Device, Module, Tensor, Var};
 use candle_nn::{linear, Optimizer, ParamsAdamW, VarBuilder, VarMap};
+use reference::clipped_window_step;
 
 const MAX_NORM: f64 = 0.05;
 
@@ -84,39 +88,11 @@ fn reference(accum: usize, steps: usize) -> (Vec<(String, Vec<f32>)>, Vec<f64>) 
     let mut opt = candle_nn::AdamW::new(head.clone(), ParamsAdamW::default()).unwrap();
     let mut norms = Vec::new();
     for s in 0..steps {
-        let mut sums: Vec<Option<Tensor>> = vec![None; head.len()];
-        for j in 0..accum {
+        let losses = (0..accum).map(|j| {
             let (x, y) = data(s * accum + j);
-            let loss = candle_nn::loss::mse(&net.forward(&x), &y).unwrap();
-            let g = (loss / accum as f64).unwrap().backward().unwrap();
-            for (sum, v) in sums.iter_mut().zip(&head) {
-                let gv = g.get(v.as_tensor()).unwrap().clone();
-                *sum = Some(match sum.take() {
-                    Some(t) => (t + gv).unwrap(),
-                    None => gv,
-                });
-            }
-        }
-        let sums: Vec<Tensor> = sums.into_iter().map(Option::unwrap).collect();
-        let total: f64 = sums
-            .iter()
-            .map(|g| {
-                g.sqr()
-                    .unwrap()
-                    .sum_all()
-                    .unwrap()
-                    .to_scalar::<f32>()
-                    .unwrap() as f64
-            })
-            .sum::<f64>()
-            .sqrt();
-        norms.push(total);
-        let coef = (MAX_NORM / (total + 1e-6)).min(1.0);
-        let mut store = candle_core::backprop::GradStore::default();
-        for (v, g) in head.iter().zip(sums) {
-            store.insert(v.as_tensor(), (g * coef).unwrap());
-        }
-        opt.step(&store).unwrap();
+            (candle_nn::loss::mse(&net.forward(&x), &y).unwrap() / accum as f64).unwrap()
+        });
+        norms.push(clipped_window_step(&mut opt, &head, losses, MAX_NORM));
     }
     (flat(&varmap), norms)
 }

@@ -75,12 +75,7 @@ fn main() -> ivme::Result<()> {
         }
         _ => {
             let net = Net::new(acc.var_builder(&varmap, DType::F32), &lora, SMALL)?;
-            let weights =
-                candle_core::safetensors::load(base_dir.join("model.safetensors"), acc.device())?;
-            let data = varmap.data().lock().expect("varmap");
-            for (name, value) in weights {
-                data[&name].set(&value.to_dtype(data[&name].dtype())?)?;
-            }
+            finetune_net::load_into(&varmap, &base_dir)?;
             net
         }
     };

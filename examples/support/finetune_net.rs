@@ -103,6 +103,20 @@ pub fn base_tensors(dims: Dims) -> HashMap<String, Tensor> {
     t
 }
 
+/// Sets every variable of `varmap` the base folder `dir` holds to the base's value: the
+/// one-`VarMap` layout, where the base's weights are variables too.
+pub fn load_into(varmap: &candle_nn::VarMap, dir: &Path) -> candle_core::Result<()> {
+    let data = varmap.data().lock().expect("varmap");
+    let device = data
+        .values()
+        .next()
+        .map_or(Device::Cpu, |v| v.device().clone());
+    for (name, value) in candle_core::safetensors::load(dir.join("model.safetensors"), &device)? {
+        data[&name].set(&value.to_dtype(data[&name].dtype())?)?;
+    }
+    Ok(())
+}
+
 /// Writes the pretrained model as a Hugging Face folder: `model.safetensors` and `config.json`.
 pub fn write_base(dir: &Path, dims: Dims) {
     std::fs::create_dir_all(dir).expect("base folder");

@@ -4,9 +4,13 @@
 //! (the Llama read with `VarBuilder::from_mmaped_safetensors`, the window's mean gradient clipped
 //! over the head's gradients, candle-nn's AdamW).
 
+#[path = "../../tests/reference/mod.rs"]
+mod reference;
+
 use candle_core::{DType, Device, Module, Tensor, Var};
 use candle_nn::{Optimizer, VarBuilder, VarMap};
 use candle_transformers::models::llama;
+use reference::clipped_window_step;
 use std::path::Path;
 
 const ACCUM: usize = 2;
@@ -79,40 +83,10 @@ fn reference(base: &Path) -> Vec<Vec<f32>> {
     let vars = [w.clone(), b.clone()];
     let mut opt = candle_nn::AdamW::new(vars.to_vec(), Default::default()).unwrap();
     for step in 0..STEPS {
-        let mut sums = [None::<Tensor>, None];
-        for j in step * ACCUM..(step + 1) * ACCUM {
-            let g = (loss(&model, &head, j) / ACCUM as f64)
-                .unwrap()
-                .backward()
-                .unwrap();
-            for (s, v) in sums.iter_mut().zip(&vars) {
-                let gv = g.get(v.as_tensor()).unwrap().clone();
-                *s = Some(match s.take() {
-                    Some(t) => (t + gv).unwrap(),
-                    None => gv,
-                });
-            }
-        }
-        let sums: Vec<Tensor> = sums.into_iter().map(Option::unwrap).collect();
-        let norm = sums
-            .iter()
-            .map(|g| {
-                g.sqr()
-                    .unwrap()
-                    .sum_all()
-                    .unwrap()
-                    .to_scalar::<f32>()
-                    .unwrap() as f64
-            })
-            .sum::<f64>()
-            .sqrt();
+        let losses = (step * ACCUM..(step + 1) * ACCUM)
+            .map(|j| (loss(&model, &head, j) / ACCUM as f64).unwrap());
+        let norm = clipped_window_step(&mut opt, &vars, losses, CLIP);
         assert!(norm > CLIP, "the reference must clip ({norm})");
-        let coef = (CLIP / (norm + 1e-6)).min(1.0);
-        let mut store = candle_core::backprop::GradStore::default();
-        for (v, g) in vars.iter().zip(sums) {
-            store.insert(v.as_tensor(), (g * coef).unwrap());
-        }
-        opt.step(&store).unwrap();
     }
     vars.iter().map(|v| flat(v.as_tensor())).collect()
 }

@@ -130,21 +130,7 @@ pub fn clipped(
     let mut norms = Vec::new();
     for b in batches {
         let mut grads = loss_on(&m, &x, &y, b).backward().unwrap();
-        let total: f64 = vars
-            .iter()
-            .map(|v| {
-                grads
-                    .get(v)
-                    .unwrap()
-                    .sqr()
-                    .unwrap()
-                    .sum_all()
-                    .unwrap()
-                    .to_scalar::<f32>()
-                    .unwrap() as f64
-            })
-            .sum::<f64>()
-            .sqrt();
+        let total = global_norm(vars.iter().map(|v| grads.get(v).unwrap()));
         norms.push(total);
         let coef = (max_norm / (total + 1e-6)).min(1.0);
         for v in &vars {
@@ -185,4 +171,53 @@ pub fn rel_err(a: &[f32], b: &[f32]) -> f32 {
         .sqrt();
     let den: f32 = b.iter().map(|y| y * y).sum::<f32>().sqrt();
     num / den
+}
+
+/// One optimizer step of plain candle over a window: the gradients of `losses` (each already
+/// divided by the window's length) summed per variable of `vars`, clipped by their global L2
+/// norm to `max_norm` as PyTorch's `clip_grad_norm_` over the optimizer's parameters does
+/// (coefficient `max_norm / (norm + 1e-6)`, at most 1), and handed to `opt`. Returns the norm.
+#[allow(dead_code)]
+pub fn clipped_window_step<O: Optimizer>(
+    opt: &mut O,
+    vars: &[candle_core::Var],
+    losses: impl IntoIterator<Item = Tensor>,
+    max_norm: f64,
+) -> f64 {
+    let mut sums: Vec<Option<Tensor>> = vec![None; vars.len()];
+    for loss in losses {
+        let g = loss.backward().unwrap();
+        for (sum, v) in sums.iter_mut().zip(vars) {
+            let gv = g.get(v.as_tensor()).unwrap().clone();
+            *sum = Some(match sum.take() {
+                Some(s) => (s + gv).unwrap(),
+                None => gv,
+            });
+        }
+    }
+    let sums: Vec<Tensor> = sums.into_iter().map(Option::unwrap).collect();
+    let norm = global_norm(sums.iter());
+    let coef = (max_norm / (norm + 1e-6)).min(1.0);
+    let mut store = candle_core::backprop::GradStore::default();
+    for (v, g) in vars.iter().zip(sums) {
+        store.insert(v.as_tensor(), (g * coef).unwrap());
+    }
+    opt.step(&store).unwrap();
+    norm
+}
+
+/// The L2 norm of all of `grads` together, in f64.
+#[allow(dead_code)]
+pub fn global_norm<'a>(grads: impl Iterator<Item = &'a Tensor>) -> f64 {
+    grads
+        .map(|g| {
+            g.sqr()
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap() as f64
+        })
+        .sum::<f64>()
+        .sqrt()
 }

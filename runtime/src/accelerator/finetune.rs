@@ -140,11 +140,7 @@ impl Accelerator {
         self.wait_for_everyone()?;
         let mut tensors: Vec<(String, Tensor)> = Vec::new();
         for m in self.training.models() {
-            let values = match &m.shard {
-                Some(s) => s.gathered(&self.comm, &m.compute)?,
-                None => m.master.iter().map(|v| v.as_tensor().clone()).collect(),
-            };
-            for (i, value) in values.into_iter().enumerate() {
+            for (i, value) in self.whole_masters(m)?.into_iter().enumerate() {
                 if m.trained[i] && !m.buffer[i] {
                     tensors.push((m.names[i].clone(), value));
                 }

@@ -19,11 +19,7 @@ impl Accelerator {
         // model's weights may be rounded to the compute dtype).
         let mut tensors: Vec<(String, Tensor)> = Vec::new();
         for m in self.training.models() {
-            let values = match &m.shard {
-                Some(s) => s.gathered(&self.comm, &m.compute)?,
-                None => m.master.iter().map(|v| v.as_tensor().clone()).collect(),
-            };
-            tensors.extend(m.names.iter().cloned().zip(values));
+            tensors.extend(m.names.iter().cloned().zip(self.whole_masters(m)?));
         }
         let written = if self.is_main_process() {
             save_model(&tensors, dir, shard).map(|_| ())
@@ -31,6 +27,15 @@ impl Accelerator {
             Ok(())
         };
         self.agree("saving the model", written)
+    }
+
+    /// `m`'s f32 master values, whole: put together from every process's slice under sharding
+    /// (a collective: every process calls it).
+    pub(crate) fn whole_masters(&self, m: &ParamSet) -> Result<Vec<Tensor>> {
+        Ok(match &m.shard {
+            Some(s) => s.gathered(&self.comm, &m.compute)?,
+            None => m.master.iter().map(|v| v.as_tensor().clone()).collect(),
+        })
     }
 
     /// Loads a model file or folder (single or sharded) into the prepared models' weights on

@@ -9,8 +9,8 @@ use crate::checkpoint::fsio::size_and_crc;
 use crate::checkpoint::read::{read_header_at, read_one};
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
-use crate::precision::exact_init::{ExactMasters, SeededInit};
-use candle_core::{DType, Device, Shape, Tensor, Var};
+use crate::precision::exact_init::{add_variable, ExactMasters, SeededInit};
+use candle_core::{DType, Device, Shape, Tensor};
 use candle_nn::var_builder::SimpleBackend;
 use candle_nn::{Init, VarMap};
 use serde::{Deserialize, Serialize};
@@ -321,18 +321,9 @@ impl SimpleBackend for OverBase {
             *self.base.record.constants.lock() += s.elem_count();
             return self.base.opened.load(name, dtype, dev);
         }
+        // Under bf16/fp16 the master starts from the file's f32 value, not from its rounding.
         let exact = self.base.opened.load(name, DType::F32, dev)?;
-        let var = Var::from_tensor(&exact.to_dtype(dtype)?)?;
-        if self.low == Some(dtype) {
-            // The master starts from the file's f32 value, not from its rounding.
-            self.masters.lock().insert(var.as_tensor().id(), exact);
-        }
-        self.varmap
-            .data()
-            .lock()
-            .unwrap()
-            .insert(name.to_string(), var.clone());
-        Ok(var.as_tensor().clone())
+        add_variable(&self.varmap, name, exact, dtype, self.low, &self.masters)
     }
 
     fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {

@@ -48,6 +48,28 @@ impl SeededInit {
     }
 }
 
+/// Makes `name` a variable of `varmap` holding `exact` in `dtype`; when `dtype` is `low` (the
+/// mixed-precision compute dtype) the f32 `exact` is kept in `masters` for the master weight.
+pub(crate) fn add_variable(
+    varmap: &VarMap,
+    name: &str,
+    exact: Tensor,
+    dtype: DType,
+    low: Option<DType>,
+    masters: &ExactMasters,
+) -> Result<Tensor> {
+    let var = Var::from_tensor(&exact.to_dtype(dtype)?)?;
+    if low == Some(dtype) {
+        masters.lock().insert(var.as_tensor().id(), exact);
+    }
+    varmap
+        .data()
+        .lock()
+        .unwrap()
+        .insert(name.to_string(), var.clone());
+    Ok(var.as_tensor().clone())
+}
+
 impl SimpleBackend for SeededInit {
     fn get(&self, s: Shape, name: &str, h: Init, dtype: DType, dev: &Device) -> Result<Tensor> {
         // A name the map already has, or an integer dtype: the VarMap's own rules.
@@ -63,17 +85,14 @@ impl SimpleBackend for SeededInit {
             dtype
         };
         let drawn = draw_init(self.seed, name, h, &s).map_err(candle_core::Error::wrap)?;
-        let exact = drawn.to_device(dev)?;
-        let var = Var::from_tensor(&exact.to_dtype(dtype)?)?;
-        if self.low == Some(dtype) {
-            self.masters.lock().insert(var.as_tensor().id(), exact);
-        }
-        self.varmap
-            .data()
-            .lock()
-            .unwrap()
-            .insert(name.to_string(), var.clone());
-        Ok(var.as_tensor().clone())
+        add_variable(
+            &self.varmap,
+            name,
+            drawn.to_device(dev)?,
+            dtype,
+            self.low,
+            &self.masters,
+        )
     }
 
     fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> Result<Tensor> {
