@@ -57,6 +57,11 @@ fn run(n: usize, args: &[&str]) -> Ended {
 
 /// [`run`] with extra `ivme launch` flags before the program.
 fn run_with(n: usize, launch: &[&str], args: &[&str]) -> Ended {
+    run_job(n, launch, &[], args)
+}
+
+/// [`run_with`] with extra environment variables for the launcher and its ranks.
+fn run_job(n: usize, launch: &[&str], envs: &[(&str, &str)], args: &[&str]) -> Ended {
     // One job at a time: the cases measure how a job ends, which a machine crowded with the
     // other cases' ranks would blur (a 2 s collective deadline, the 3 s grace a rank gives the
     // peer that failed first).
@@ -75,6 +80,7 @@ fn run_with(n: usize, launch: &[&str], args: &[&str]) -> Ended {
         .arg(example_bin("faults"))
         .args(args)
         .arg(&tag)
+        .envs(envs.iter().copied())
         .env_remove("RUST_BACKTRACE")
         .stdin(Stdio::null())
         .stdout(log.try_clone().expect("cloning the log handle"))
@@ -251,6 +257,90 @@ fn a_stopped_rank_times_out_its_peers_who_name_it() {
             e.output
         );
     }
+}
+
+#[test]
+fn a_rank_stopped_inside_a_data_transfer_ends_the_job_at_the_deadline() {
+    // Every rank arrived at the collective, then one stops: its peers sit inside MPI's
+    // blocking transfer, which only the watchdog holds to the deadline.
+    for (n, rank) in layouts() {
+        let what = format!("SIGSTOP of rank {rank} of {n} inside a transfer");
+        let stop = format!("{rank}:6");
+        let e = run_job(
+            n,
+            &[],
+            &[("IVME_STOP_IN_TRANSFER", &stop)],
+            &["mode=none", "timeout=2", "steps=20"],
+        );
+        failed_promptly(&e, &what);
+        assert!(
+            e.output.contains("collective #6") && e.output.contains("moved no further"),
+            "{what}: the watchdog must name the stalled collective\n{}",
+            e.output
+        );
+    }
+}
+
+/// The stress run of the case above (`cargo test --test faults -- --ignored`): 30 stops of a
+/// random rank at a random moment (before its arrival or inside the transfer of a random
+/// collective), with two busy loops competing for the cores; every job must end within the
+/// deadline + 10 s, naming the stall, and leave nothing running.
+#[test]
+#[ignore = "a stress run of about 2 minutes; run with --ignored"]
+fn thirty_stops_at_random_moments_under_load_all_end_at_the_deadline() {
+    let busy = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let spinners: Vec<_> = (0..2)
+        .map(|_| {
+            let busy = busy.clone();
+            std::thread::spawn(move || {
+                let mut x = 0u64;
+                while busy.load(Ordering::Relaxed) {
+                    x = x.wrapping_mul(6364136223846793005).wrapping_add(1);
+                }
+                x
+            })
+        })
+        .collect();
+    let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = |m: u64| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed % m
+    };
+    let mut slowest = 0f64;
+    for i in 0..30 {
+        let n = 2 + next(2) as usize;
+        let rank = next(n as u64) as usize;
+        let e = if next(2) == 0 {
+            let at = format!("at={}", 1 + next(10));
+            run(
+                n,
+                &[
+                    "mode=stop",
+                    "timeout=2",
+                    "steps=12",
+                    &format!("rank={rank}"),
+                    &at,
+                ],
+            )
+        } else {
+            let stop = format!("{rank}:{}", 2 + next(10));
+            run_job(
+                n,
+                &[],
+                &[("IVME_STOP_IN_TRANSFER", &stop)],
+                &["timeout=2", "steps=12"],
+            )
+        };
+        let what = format!("stop {i} (rank {rank} of {n})");
+        assert!(!e.success, "{what}: the job succeeded\n{}", e.output);
+        assert!(e.secs < 12.0, "{what}: took {:.1} s\n{}", e.secs, e.output);
+        slowest = slowest.max(e.secs);
+    }
+    busy.store(false, Ordering::Relaxed);
+    spinners.into_iter().for_each(|s| drop(s.join()));
+    println!("30 stops under load: the slowest job ended in {slowest:.1} s");
 }
 
 #[test]

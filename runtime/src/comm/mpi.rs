@@ -6,7 +6,8 @@
 //! Before every collective the ranks exchange arrival tokens under the job's [`Watch`], which
 //! gives the wait a deadline, ends it early when a peer failed or left, and fails when the
 //! ranks are at different calls; only then does the data move, with MPI's blocking
-//! collectives (all ranks are known to be in them). Dropping the communicator finalizes MPI
+//! collectives (all ranks are known to be in them), which a watchdog thread holds to the same
+//! deadline. Dropping the communicator finalizes MPI
 //! only after every rank said goodbye, so a failing rank never hangs the job.
 
 use super::host::{back, host_f32, shard_counts};
@@ -76,7 +77,9 @@ impl MpiComm {
             self.compare(seq, op)?;
         }
         self.watch.arrive()?;
+        let transfer = self.watch.transfer();
         let out = f()?;
+        drop(transfer);
         self.watch.leave_op();
         Ok(out)
     }

@@ -7,12 +7,15 @@
 //! dropped), that they failed, or ask where the others are when a deadline passes. So a
 //! collective that can never complete (a peer returned an error, panicked, skipped a call, or
 //! is at another call) ends with an error on every rank in milliseconds, and one that a stopped
-//! or stuck peer holds up ends at its deadline, naming the peers that did not come.
+//! or stuck peer holds up ends at its deadline, naming the peers that did not come. Once every
+//! rank arrived, a watchdog thread holds the data transfer to the same deadline (dog.rs).
 
 use super::ops::{Current, Op, OpKind};
 
 mod arrival;
+mod dog;
 use crate::error::{Error, Result};
+use dog::{Dog, Transfer};
 use mpi::ffi;
 use mpi::point_to_point::{Destination, Source};
 use mpi::request::{Request, Scope, StaticScope};
@@ -95,6 +98,8 @@ pub(crate) struct Watch {
     /// Whether every collective is first compared across ranks.
     pub debug_sync: bool,
     state: RefCell<State>,
+    /// Ends this rank when a data transfer outlasts the deadline (dog.rs).
+    dog: Dog,
 }
 
 /// What the end-of-run protocol concluded.
@@ -121,7 +126,15 @@ impl Watch {
                 left: vec![None; size],
                 ..State::default()
             }),
+            dog: Dog::spawn(world.rank() as usize, size, timeout),
         }
+    }
+
+    /// Marks the data transfer of the current collective (every rank arrived) for the
+    /// watchdog, until the returned guard is dropped.
+    pub fn transfer(&self) -> Option<Transfer<'_>> {
+        let current = self.state.borrow().current?;
+        Some(self.dog.transfer(current))
     }
 
     /// Marks the start of a collective: fails at once if the job already failed.
