@@ -30,6 +30,7 @@ pub struct AcceleratorBuilder {
     collective_timeout: Option<Duration>,
     debug_sync: Option<bool>,
     async_checkpoints: bool,
+    malloc_tuning: Option<bool>,
 }
 
 impl AcceleratorBuilder {
@@ -54,6 +55,17 @@ impl AcceleratorBuilder {
     /// extra collective per collective: for debugging.
     pub fn debug_sync(mut self, on: bool) -> Self {
         self.debug_sync = Some(on);
+        self
+    }
+
+    /// Whether building the Accelerator tunes glibc's allocator for candle (on by default;
+    /// `IVME_MALLOC_TUNING=0` turns it off too): blocks up to 32 MiB come from the heap and
+    /// freed memory stays for the next step, as `ivme launch` sets for its ranks, so a program
+    /// is as fast under `cargo run`, `mpirun` or `srun`. A glibc variable
+    /// (`MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_`) already set wins; a global allocator
+    /// of the program's own is unaffected. See docs/performance.md.
+    pub fn malloc_tuning(mut self, on: bool) -> Self {
+        self.malloc_tuning = Some(on);
         self
     }
 
@@ -259,6 +271,12 @@ impl AcceleratorBuilder {
                 warn_user!("{}", w.strip_prefix("ivme: ").unwrap_or(w));
             }
         }
+        let tuning = self.malloc_tuning.unwrap_or_else(|| {
+            env::MALLOC_TUNING
+                .get()
+                .is_none_or(|raw| env::parse_bool(&raw) != Some(false))
+        });
+        crate::setup::allocator::tune(tuning);
         let seed = self.seed.unwrap_or(0);
         Ok(Accelerator {
             state,

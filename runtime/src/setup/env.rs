@@ -150,12 +150,12 @@ pub const MPIRUN: Var = Var {
     values: "a path",
     meaning: "the mpirun `ivme launch` runs (default: the one on PATH)",
 };
-/// Turns off the allocator settings the launcher adds.
+/// Turns off the allocator tuning (the Accelerator's `mallopt` and the launcher's variables).
 pub const MALLOC_TUNING: Var = Var {
     name: "IVME_MALLOC_TUNING",
     set_by: SetBy::User,
     values: "0 to turn off",
-    meaning: "`ivme launch` sets glibc's MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_ unless this is 0",
+    meaning: "building an Accelerator tunes glibc's allocator (mallopt), and `ivme launch` sets MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_ for its ranks, unless this is 0",
 };
 /// The log level of `logging::init`.
 pub const LOG_LEVEL: Var = Var {
