@@ -344,6 +344,30 @@ fn thirty_stops_at_random_moments_under_load_all_end_at_the_deadline() {
 }
 
 #[test]
+fn a_rank_late_by_far_more_than_usual_is_named_long_before_the_deadline() {
+    let e = run(
+        2,
+        &["mode=sleep", "rank=1", "at=36", "steps=40", "timeout=60"],
+    );
+    assert!(
+        e.success,
+        "a late rank within the deadline is not a failure\n{}",
+        e.output
+    );
+    assert_eq!(
+        count(&e.output, "far longer than collectives recently took"),
+        1,
+        "one warning\n{}",
+        e.output
+    );
+    assert!(
+        e.output.contains("has waited 5.") && e.output.contains("not arrived: rank 1"),
+        "the warning comes at 5 s and names the late rank\n{}",
+        e.output
+    );
+}
+
+#[test]
 fn ranks_that_drift_apart_fail_instead_of_mixing_steps() {
     for (n, rank) in layouts() {
         // One backward fewer on one rank: its gradient syncs see other batches than the

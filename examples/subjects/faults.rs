@@ -7,7 +7,8 @@
 //!
 //! Arguments (`key=value`): `mode` is one of `none`, `err` (return an error from `main`),
 //! `macro_err` (return an error from a `#[accelerate]` function), `panic`, `kill` (SIGKILL),
-//! `stop` (SIGSTOP: the others wait until their collective timeout), `skip` (skip one
+//! `stop` (SIGSTOP: the others wait until their collective timeout), `sleep` (7 s of work
+//! outside any collective: the others warn that it is late, then go on), `skip` (skip one
 //! backward: the ranks' gradient syncs drift apart), `barrier` (one extra
 //! `wait_for_everyone`); `rank` is the rank that fails (default 1), `at` the step it fails at
 //! (default 3), `steps` the run's length (default 8), `timeout` the collective timeout in seconds
@@ -114,6 +115,7 @@ fn train(plan: &Plan) -> ivme::Result<()> {
                 "panic" => panic!("injected panic on rank {rank} at step {step}"),
                 "kill" => signal_self("-KILL"),
                 "stop" => signal_self("-STOP"),
+                "sleep" => std::thread::sleep(Duration::from_secs(7)),
                 "skip" => continue,
                 "barrier" => accelerator.wait_for_everyone()?,
                 _ => {}

@@ -14,6 +14,7 @@ use super::ops::{Current, Op, OpKind};
 
 mod arrival;
 mod dog;
+mod late;
 use crate::error::{Error, Result};
 use dog::{Dog, Transfer};
 use mpi::ffi;
@@ -74,6 +75,8 @@ impl Kind {
 struct State {
     /// Collectives this rank has completed.
     done: u64,
+    /// How long recent arrivals waited (late.rs).
+    waits: late::Waits,
     /// The collective this rank is waiting in.
     current: Option<Current>,
     /// For each rank that left the run: how many collectives it had completed.
@@ -206,13 +209,18 @@ impl Watch {
         // start reading the control channel and the clock.
         for _ in 0..FAST_POLLS {
             if done() {
+                self.state.borrow_mut().waits.record(Duration::ZERO);
                 return Ok(());
             }
         }
         let start = Instant::now();
         let mut nap = Duration::from_micros(20);
+        // Decided once the wait passed the 5 s floor (late.rs), so short waits pay nothing.
+        let mut late: Option<Option<Duration>> = None;
+        let mut warned = false;
         loop {
             if done() {
+                self.state.borrow_mut().waits.record(start.elapsed());
                 return Ok(());
             }
             let current = self.state.borrow().current;
@@ -220,6 +228,13 @@ impl Watch {
             let waited = start.elapsed();
             if waited >= self.timeout {
                 return Err(self.timed_out(current, waited));
+            }
+            if !warned && waited >= late::FLOOR {
+                let late = *late.get_or_insert_with(|| self.state.borrow().waits.late());
+                if late.is_some_and(|l| waited >= l) {
+                    warned = true;
+                    self.warn_late(current, waited);
+                }
             }
             if waited < SPIN {
                 std::thread::yield_now();
@@ -352,6 +367,35 @@ impl Watch {
     /// Asks the peers where they are and builds the timeout error from their answers.
     fn timed_out(&self, current: Option<Current>, waited: Duration) -> Error {
         let what = current.map_or_else(|| "the end of the run".to_string(), |c| c.to_string());
+        let msg = format!(
+            "{what} timed out on rank {} after {:.1} s; {}. Raise the limit with \
+             `collective_timeout` (builder or attribute), `ivme launch --collective_timeout` or \
+             IVME_COLLECTIVE_TIMEOUT if a rank legitimately takes this long",
+            self.rank,
+            waited.as_secs_f64(),
+            self.inquire(current)
+        );
+        self.fail(msg)
+    }
+
+    /// Says once that `current` waits far longer than collectives recently did, naming the
+    /// ranks that have not arrived and what they answer; the deadline still ends the job.
+    fn warn_late(&self, current: Option<Current>, waited: Duration) {
+        let what = current.map_or_else(|| "the end of the run".to_string(), |c| c.to_string());
+        warn_user!(
+            "{what} has waited {:.1} s on rank {}, far longer than collectives recently took \
+             ({}); {}. The job ends at the collective deadline ({:.0} s) unless they arrive",
+            waited.as_secs_f64(),
+            self.rank,
+            self.state.borrow().waits.describe(),
+            self.inquire(current),
+            self.timeout.as_secs_f64()
+        );
+    }
+
+    /// Asks the peers where they are; says who has not arrived at `current` and where the
+    /// others are.
+    fn inquire(&self, current: Option<Current>) -> String {
         let gone: Vec<Option<u64>> = self.state.borrow().left.clone();
         let asked: Vec<usize> = self.peers().filter(|&r| gone[r].is_none()).collect();
         for &r in &asked {
@@ -419,14 +463,7 @@ impl Watch {
         } else {
             format!("; {}", elsewhere.join("; "))
         };
-        let msg = format!(
-            "{what} timed out on rank {} after {:.1} s; {missing}{detail}. Raise the limit with \
-             `collective_timeout` (builder or attribute), `ivme launch --collective_timeout` or \
-             IVME_COLLECTIVE_TIMEOUT if a rank legitimately takes this long",
-            self.rank,
-            waited.as_secs_f64()
-        );
-        self.fail(msg)
+        format!("{missing}{detail}")
     }
 
     /// Ends a failed run. A rank that stopped only because a peer failed gives that peer a
