@@ -577,8 +577,13 @@ fn an_unfrozen_layer_trains_from_the_base_and_the_rest_stays_constant() {
     write_base(&base_dir, SMALL);
     let mut acc = single();
     let varmap = candle_nn::VarMap::new();
+    // A Hugging Face cache's snapshot folder: the weights a link to a blob elsewhere.
+    let linked = dir.join("snapshot");
+    std::fs::create_dir_all(&linked).unwrap();
+    let blob = base_dir.join("model.safetensors");
+    std::os::unix::fs::symlink(blob, linked.join("model.safetensors")).unwrap();
     let base = acc
-        .load_base(&base_dir)
+        .load_base(&linked)
         .unwrap()
         .unfreeze("blocks.1.fc2")
         .unwrap();

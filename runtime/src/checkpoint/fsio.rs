@@ -286,7 +286,13 @@ pub(crate) fn parent_of(path: &Path) -> PathBuf {
 
 /// Size and CRC-32 of a file, streamed so memory stays flat for large files.
 pub(crate) fn size_and_crc(path: &Path) -> Result<(u64, u32)> {
-    let mut f = open_regular(path, false)?;
+    size_and_crc_of(path, false)
+}
+
+/// [`size_and_crc`], also through a symbolic link to a regular file when `follow_links` (a
+/// Hugging Face cache's snapshot folders are links to its blobs).
+pub(crate) fn size_and_crc_of(path: &Path, follow_links: bool) -> Result<(u64, u32)> {
+    let mut f = open_regular(path, follow_links)?;
     let mut hasher = crc32fast::Hasher::new();
     let mut buf = vec![0u8; BUF];
     let mut size = 0u64;

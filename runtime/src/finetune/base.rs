@@ -5,7 +5,7 @@
 use super::pattern::matches;
 use super::FineTuning;
 use crate::checkpoint::format::TensorInfo;
-use crate::checkpoint::fsio::size_and_crc;
+use crate::checkpoint::fsio::size_and_crc_of;
 use crate::checkpoint::read::{read_header_at, read_one};
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
@@ -92,7 +92,8 @@ impl Base {
         let files = base_files(folder)?;
         let mut listed = Vec::with_capacity(files.len());
         for path in &files {
-            let (bytes, crc32) = size_and_crc(path)?;
+            // A Hugging Face cache's snapshot folder links its files to blobs.
+            let (bytes, crc32) = size_and_crc_of(path, true)?;
             let name = path
                 .file_name()
                 .map(|n| n.to_string_lossy().into_owned())

@@ -12,8 +12,9 @@
 //!
 //! What trains is what the prepared optimizers hold: a variable of a prepared model that no
 //! optimizer holds is frozen (its gradient is dropped at once: not accumulated, synced or
-//! clipped). A base tensor handed out as a constant costs less still: candle's backward never
-//! computes its gradient. See docs/finetune.md.
+//! clipped). A base tensor handed out as a constant costs less still: it is no variable, so no
+//! optimizer, master or sync ever sees it, and LoRA layers run it through [`frozen_linear`],
+//! whose backward never computes its gradient. See docs/finetune.md.
 
 mod base;
 mod frozen;
