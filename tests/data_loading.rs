@@ -316,3 +316,83 @@ fn invalid_positions_and_splits_are_errors() -> Result<()> {
     assert!(results[0].is_err());
     Ok(())
 }
+
+/// A nanoGPT-style token file of `n` u16 ids `0..n`, its windows of 8 tokens, and the window
+/// index each batch row comes from (ids are their own positions, so a row's first input is
+/// 8 × its window).
+fn token_corpus(tag: &str, n: u16) -> (std::path::PathBuf, ivme::data::TokenFile) {
+    let dir = std::env::temp_dir().join(format!("ivme-corpus-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("train.bin");
+    let bytes: Vec<u8> = (0..n).flat_map(u16::to_le_bytes).collect();
+    std::fs::write(&file, bytes).unwrap();
+    let corpus =
+        ivme::data::TokenFile::open(&[&file], Some(ivme::data::TokenWidth::U16), 8).unwrap();
+    (dir, corpus)
+}
+
+/// The windows each batch of the loader's epoch holds, checking every row's targets are its
+/// inputs shifted by one.
+fn token_windows(loader: &mut DataLoader<ivme::data::TokenFile>) -> Result<Vec<Vec<u32>>> {
+    loader
+        .iter()
+        .map(|b| {
+            let (x, y) = b?;
+            let (x, y) = (x.to_vec2::<u32>()?, y.to_vec2::<u32>()?);
+            for (xs, ys) in x.iter().zip(&y) {
+                assert_eq!(xs[1..], ys[..7], "targets are the next tokens");
+                assert_eq!(ys[7], xs[7] + 1);
+            }
+            Ok(x.iter().map(|row| row[0] / 8).collect())
+        })
+        .collect()
+}
+
+#[test]
+fn a_token_file_on_disk_shards_shuffles_and_resumes_like_data_in_memory() -> Result<()> {
+    // 400 ids: windows start every 8 tokens and need 9, so 49 windows.
+    let (dir, corpus) = token_corpus("shard", 400);
+    assert_eq!(corpus.len(), 49);
+    drop(corpus);
+    let build = |r: usize| -> Result<DataLoader<ivme::data::TokenFile>> {
+        let (_, corpus) = token_corpus("shard", 400);
+        DataLoader::new(corpus, 4).shuffle(true).seed(5).shard(r, 3)
+    };
+    let mut seen: Vec<u32> = Vec::new();
+    for r in 0..3 {
+        let mut loader = build(r)?;
+        let batches = token_windows(&mut loader)?;
+        let pad = loader.last_batch_padding();
+        let mut rows: Vec<u32> = batches.into_iter().flatten().collect();
+        rows.truncate(rows.len() - pad);
+        seen.extend(rows);
+    }
+    seen.sort_unstable();
+    assert_eq!(
+        seen,
+        (0..49).collect::<Vec<u32>>(),
+        "each window once per epoch"
+    );
+    // Resume rank 1 after two batches: the rest of its epoch, as if never stopped.
+    let mut whole = build(1)?;
+    let full = token_windows(&mut whole)?;
+    let mut first = build(1)?;
+    let taken: Vec<Vec<u32>> = token_windows_take(&mut first, 2)?;
+    assert_eq!(taken, full[..2]);
+    let mut resumed = build(1)?;
+    resumed.set_position(first.position())?;
+    assert_eq!(token_windows(&mut resumed)?, full[2..]);
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
+
+fn token_windows_take(
+    loader: &mut DataLoader<ivme::data::TokenFile>,
+    n: usize,
+) -> Result<Vec<Vec<u32>>> {
+    loader
+        .iter()
+        .take(n)
+        .map(|b| Ok(b?.0.to_vec2::<u32>()?.iter().map(|r| r[0] / 8).collect()))
+        .collect()
+}

@@ -7,6 +7,7 @@ mod loop_position;
 mod position;
 mod progress;
 pub mod sampler;
+mod token_file;
 
 pub use dataset::{Dataset, TensorColumns, TensorDataset};
 pub use loader::{Batches, DataLoader};
@@ -14,6 +15,7 @@ pub use loader::{Batches, DataLoader};
 pub use loop_position::{LoopCursor, LoopPosition};
 pub use position::LoaderPosition;
 pub(crate) use progress::DataProgress;
+pub use token_file::{TokenFile, TokenWidth};
 
 /// Told about every batch a prepared loader hands out, so gradient accumulation knows where
 /// each accumulation window starts and ends (including a short last window).
