@@ -261,6 +261,13 @@ fn a_subset_optimizer_over_one_varmap_trains_like_the_constant_base_and_syncs_on
             constant[rank]["bytes"], subset[rank]["bytes"],
             "rank {rank}: the frozen variables moved bytes"
         );
+        // Nor at prepare: the trained weights are broadcast, the frozen ones show a checksum.
+        let checksums = 4 * base.len() as u64;
+        assert_eq!(
+            subset[rank]["prepare_bytes"].as_u64().unwrap(),
+            trained_bytes() + checksums,
+            "rank {rank}: preparing moved the frozen weights"
+        );
     }
 }
 
@@ -275,6 +282,14 @@ fn a_bf16_fine_tune_trains_alike_in_both_layouts_and_near_the_f32_reference() {
         assert!(d <= 1e-6, "`{k}` differs by {d} between the bf16 layouts");
     }
     assert_eq!(params(&constant[1]), c0, "the ranks' masters differ");
+    // Only what trains has an f32 master, in both layouts.
+    for r in constant.iter().chain(&subset) {
+        assert_eq!(
+            r["masters"].as_u64().unwrap(),
+            trained_bytes(),
+            "f32 masters held"
+        );
+    }
     // Adam moves a weight whose gradient is tiny by about ±lr either way, so bf16's rounding
     // shows in single weights; the whole update stays close to f32's.
     let (mut err, mut norm) = (0.0f64, 0.0f64);
@@ -509,6 +524,30 @@ fn processes_that_opened_different_bases_are_stopped_naming_the_file() {
         started.elapsed().as_secs() < 60,
         "took {:?}",
         started.elapsed()
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn frozen_weights_that_differ_between_processes_are_refused_at_prepare() {
+    let dir = scratch("ft-frozen-differ");
+    let args = [
+        format!("base={}", dir.join("base").display()),
+        format!("out={}", dir.join("out").display()),
+        "layout=subset".to_string(),
+        "perturb_rank1=1".to_string(),
+    ];
+    write_base(&dir.join("base"), SMALL);
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    let o = launch(2, &common::example_bin("finetune_check"), &refs, &[]);
+    let (so, se) = text(&o);
+    assert!(
+        !o.status.success(),
+        "trained over differing frozen weights\n{so}\n{se}"
+    );
+    assert!(
+        se.contains("frozen variable `blocks.0.fc1.weight` holds other values on rank 1"),
+        "{se}"
     );
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -4,9 +4,9 @@
 //! micro-step handed to collectives to `out/rank{R}.json`.
 //!
 //! Arguments are `key=value`: `base=DIR out=DIR layout=constant|subset precision=no|bf16
-//! accum=A steps=K clip=F sharding=no|optimizer|gradients adapter_out=DIR base_rank1=DIR save=DIR save_after=K
-//! resume=DIR resume_at=K`: rank 1 opens another base (a test of the check that every process
-//! opened the same); the state is saved to `save` after K optimizer steps; a resumed run loads
+//! accum=A steps=K clip=F sharding=no|optimizer|gradients adapter_out=DIR base_rank1=DIR perturb_rank1=1 save=DIR save_after=K
+//! resume=DIR resume_at=K`: rank 1 opens another base, or changes a frozen weight (tests of the
+//! checks that every process opened the same base and holds the same frozen weights); the state is saved to `save` after K optimizer steps; a resumed run loads
 //! `resume` (saved after `resume_at` steps) and trains the rest. `layout=constant`
 //! reads the base as constants (`base_var_builder`); `layout=subset` makes every weight a
 //! variable of one `VarMap`, loads the base into it and hands the optimizer the adapters and
@@ -95,7 +95,15 @@ fn main() -> ivme::Result<()> {
         lr: 0.02,
         ..Default::default()
     };
+    if get("perturb_rank1", "0") == "1" && acc.process_index() == 1 {
+        // A test of the check that frozen variables agree across processes.
+        let data = varmap.data().lock().expect("varmap");
+        let w = &data["blocks.0.fc1.weight"];
+        w.set(&(w.as_tensor() * 1.001)?)?;
+    }
+    let before = acc.collective_bytes();
     let mut opt = acc.prepare_optimizer_of(AdamW::new(trained, params))?;
+    let prepare_bytes = acc.collective_bytes() - before;
     let world = acc.num_processes();
     let rank = acc.process_index();
     let mut first = 0;
@@ -130,6 +138,8 @@ fn main() -> ivme::Result<()> {
         "trained": acc.trained_names(),
         "frozen": acc.frozen_names(),
         "adapted": lora.adapted(),
+        "prepare_bytes": prepare_bytes,
+        "masters": acc.held_bytes()?.masters,
     });
     std::fs::create_dir_all(&out).expect("the report folder");
     std::fs::write(

@@ -124,7 +124,7 @@ impl Accelerator {
                 .iter()
                 .any(|v| ids.contains(&v.as_tensor().id()));
             if holds && self.find_model(&varmap).is_none() {
-                self.register_model(&varmap)?;
+                self.register_model_holding(&varmap, Some(&ids))?;
             }
         }
         self.wrap_optimizer(optimizer)

@@ -188,7 +188,12 @@ impl Accelerator {
     {
         let optimizer = optimizer.map_err(Into::into)?;
         if self.find_model(varmap).is_none() {
-            self.register_model(varmap)?;
+            let held: Vec<_> = optimizer
+                .vars()
+                .iter()
+                .map(|v| v.as_tensor().id())
+                .collect();
+            self.register_model_holding(varmap, Some(&held))?;
         }
         self.wrap_optimizer(optimizer)
     }

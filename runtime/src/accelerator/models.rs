@@ -13,7 +13,7 @@ use crate::stateful::Shared;
 use crate::train::grads::ParamSet;
 use crate::Precision;
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Tensor, Var};
+use candle_core::{DType, Tensor, TensorId, Var};
 use candle_nn::{VarBuilder, VarMap};
 
 impl Accelerator {
@@ -28,6 +28,18 @@ impl Accelerator {
 
     /// Makes every rank start from rank 0's weights and sets up f32 masters.
     pub(crate) fn register_model(&mut self, varmap: &VarMap) -> Result<()> {
+        self.register_model_holding(varmap, None)
+    }
+
+    /// [`register_model`](Self::register_model) knowing which variables the optimizer being
+    /// prepared with it holds (`held`): without sharding, the others (frozen unless a later
+    /// optimizer takes them) are not broadcast but checked equal across ranks by checksum, and
+    /// get no f32 master.
+    pub(crate) fn register_model_holding(
+        &mut self,
+        varmap: &VarMap,
+        held: Option<&[TensorId]>,
+    ) -> Result<()> {
         if self.find_model(varmap).is_some() {
             return Err(Error::Prepare(
                 "this VarMap was already prepared; prepare each model once".into(),
@@ -56,6 +68,7 @@ impl Accelerator {
         let mut master = Vec::with_capacity(named.len());
         let mut buffer = Vec::with_capacity(named.len());
         let mut full = Vec::new();
+        let mut unsent = Vec::new();
         for (name, var) in named {
             let dt = var.dtype();
             let statistic = crate::train::buffers::is_batch_norm_statistic(&name);
@@ -78,6 +91,22 @@ impl Accelerator {
                      accelerator.param_dtype(DType::F32), accelerator.device())`",
                     self.mixed.policy()
                 )));
+            }
+            let frozen = held.is_some_and(|h| !h.contains(&var.as_tensor().id()))
+                && !is_buffer
+                && self.sync.sharding() == crate::Sharding::No;
+            if frozen {
+                // Nothing steps it: no broadcast (checked equal below), no master.
+                self.mixed
+                    .exact_masters()
+                    .lock()
+                    .remove(&var.as_tensor().id());
+                unsent.push((name.clone(), var.clone()));
+                names.push(name);
+                compute.push(var.clone());
+                master.push(var);
+                buffer.push(false);
+                continue;
             }
             // Broadcast in f32: exact for f16/bf16 values, and MPI has no half types. A variable
             // `var_builder` made starts its master from its exact f32 initialisation.
@@ -108,6 +137,7 @@ impl Accelerator {
             master.push(m);
             buffer.push(is_buffer);
         }
+        crate::train::frozen::check_equal(&self.comm, &unsent)?;
         let sums = vec![None; names.len()];
         let trained = vec![false; names.len()];
         let reached = vec![false; names.len()];
@@ -172,6 +202,12 @@ impl Accelerator {
                 )));
             }
             m.trained[i] = true;
+            let low = self.mixed.policy().compute_dtype();
+            let unmastered = m.master[i].as_tensor().id() == m.compute[i].as_tensor().id();
+            if unmastered && !m.buffer[i] && low != DType::F32 && m.compute[i].dtype() == low {
+                // Registered as frozen (no master): this optimizer steps it after all.
+                m.master[i] = Var::from_tensor(&m.compute[i].as_tensor().to_dtype(DType::F32)?)?;
+            }
             masters.push(m.master[i].clone());
             // A buffer's value is the model's own; its master only mirrors it (buffers.rs).
             if !m.buffer[i] && m.compute[i].as_tensor().id() != m.master[i].as_tensor().id() {

@@ -4,6 +4,7 @@
 
 pub(crate) mod bucket;
 pub(crate) mod buffers;
+pub(crate) mod frozen;
 pub mod grads;
 pub(crate) mod shard;
 pub(crate) mod sync;
