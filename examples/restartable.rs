@@ -102,7 +102,10 @@ fn main() -> ivme::Result<()> {
 
     let varmap = VarMap::new();
     let vb = VarBuilder::from_varmap(&varmap, acc.param_dtype(DType::F32), acc.device());
-    let model = linear(4, 2, vb.pp("linear"))?;
+    // `IVME_TEST_OUT_FEATURES=3` builds another model than the checkpoints hold: a test of a
+    // failure that a restart cannot get past.
+    let outputs = env_number("IVME_TEST_OUT_FEATURES").unwrap_or(2) as usize;
+    let model = linear(4, outputs, vb.pp("linear"))?;
     // candle's own initialisation draws from a thread RNG; seeded weights make runs comparable.
     init_weights(&varmap, 3)?;
     let loader = DataLoader::new(dataset(48)?, 4).shuffle(true).seed(7);

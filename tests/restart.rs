@@ -224,6 +224,35 @@ fn a_run_killed_mid_way_and_restarted_ends_bit_for_bit_like_an_uninterrupted_one
     );
 }
 
+#[test]
+fn a_checkpoint_that_does_not_fit_the_program_is_not_restarted_over_and_over() {
+    let dir = Scratch::new("restart-unfit");
+    let (project, out) = (dir.0.join("project"), dir.0.join("out"));
+    let first = restartable(&[], &project, &out, &["epochs=1"], &[]).wait();
+    assert!(first.status.success(), "{}", first.show());
+    // The program changed (another output width): its checkpoints no longer fit it.
+    let changed = restartable(
+        &["--max_restarts", "2"],
+        &project,
+        &out,
+        &["epochs=2"],
+        &[("IVME_TEST_OUT_FEATURES", "3")],
+    )
+    .wait();
+    assert!(!changed.status.success(), "{}", changed.show());
+    assert!(
+        changed.stderr.contains("ivme: not restarting: rank ")
+            && changed.stderr.contains("a restart would fail the same way"),
+        "no reason given for not restarting\n{}",
+        changed.show()
+    );
+    assert!(
+        !changed.stderr.contains("restart 1 of 2"),
+        "a failure that recurs was restarted\n{}",
+        changed.show()
+    );
+}
+
 /// The lines `program` appended to `log`, sorted.
 fn logged(log: &Path) -> Vec<String> {
     let mut lines: Vec<String> = std::fs::read_to_string(log)

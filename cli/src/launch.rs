@@ -114,6 +114,15 @@ pub fn main(words: &[String]) -> Result<i32> {
         let (code, cause) = match run_once(&inv)? {
             Ended::Done(code) => return Ok(code),
             Ended::Failed(code, cause) => (code, cause),
+            Ended::Recurs(code, note) => {
+                if ctx.restart < plan.max_restarts {
+                    eprintln!(
+                        "ivme: not restarting: {note}; a restart would fail the same way, so \
+                         change the program, its settings or its files first"
+                    );
+                }
+                return Ok(code);
+            }
         };
         // Ctrl-C or SIGTERM while the launcher waited between attempts: stop here too.
         if let Some(sig) = process::stopped_by() {
@@ -141,6 +150,9 @@ enum Ended {
     Done(i32),
     /// A failure that a restart may get past: the exit code and what failed, for messages.
     Failed(i32, String),
+    /// A failure a rank noted would recur on a restart (a checkpoint that does not fit, a
+    /// model that cannot be prepared): the exit code and the first rank's note.
+    Recurs(i32, String),
 }
 
 /// Runs the job once, in a fresh status folder, and reports how it went.
@@ -191,6 +203,12 @@ fn report(inv: &Invocation, outcome: Outcome) -> Result<Ended> {
     if let Some((msg, code)) = rank::summarize(&failures) {
         eprintln!("{msg}");
         let code = if code != 0 { code } else { 1 };
+        if let Some((r, note)) = rank::recurring(dir).into_iter().next() {
+            return Ok(Ended::Recurs(
+                code,
+                format!("rank {r} failed with `{note}`"),
+            ));
+        }
         return Ok(Ended::Failed(code, failures[0].describe()));
     }
     if outcome.code == 0 {

@@ -22,6 +22,29 @@ const STATUS_DIR_VAR: &str = "IVME_STATUS_DIR";
 /// The status file in which a rank's runtime names the peer it stopped for: `cause-R`.
 const CAUSE_PREFIX: &str = "cause-";
 
+/// The status files in which a rank's runtime says its failure would recur on a restart:
+/// `final-R`, holding the error's message.
+const FINAL_PREFIX: &str = "final-";
+
+/// The failures that would recur on a restart, as ranks noted them in `dir` (rank, message),
+/// in rank order; a missing folder means none.
+pub fn recurring(dir: &Path) -> Vec<(usize, String)> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut notes: Vec<(usize, String)> = entries
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let rank = name.strip_prefix(FINAL_PREFIX)?.parse().ok()?;
+            let text = std::fs::read_to_string(e.path()).ok()?;
+            Some((rank, text.trim().to_string()))
+        })
+        .collect();
+    notes.sort();
+    notes
+}
+
 /// The code recorded when the program could not be started at all (the shell's convention).
 const CANNOT_START: i32 = 127;
 

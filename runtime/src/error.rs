@@ -150,6 +150,23 @@ impl Error {
         }
     }
 
+    /// Whether a restart of the job would fail the same way: the program, its settings or its
+    /// files must change first (a bad setting or argument, a model or optimizer that cannot be
+    /// prepared, a precision the model cannot run in, a checkpoint that does not fit this run or
+    /// that another job holds). `ivme launch --max_restarts` does not restart after one.
+    pub fn recurs_on_restart(&self) -> bool {
+        match self {
+            Error::Config { .. } | Error::Prepare(_) | Error::Precision(_) | Error::Usage(_) => {
+                true
+            }
+            Error::Checkpoint { kind, .. } => matches!(
+                kind,
+                CheckpointErrorKind::Unfit | CheckpointErrorKind::Locked
+            ),
+            _ => false,
+        }
+    }
+
     /// Builds a configuration error naming the key, the bad value and the fix.
     pub fn config(key: impl Into<String>, value: impl ToString, fix: impl Into<String>) -> Self {
         Error::Config {

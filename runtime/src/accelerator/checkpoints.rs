@@ -367,6 +367,13 @@ impl Accelerator {
     /// check passed does anything change, and an object that still refuses its state has the
     /// ones loaded before it put back. On an error, the training state is as it was.
     pub fn load_state(&mut self, dir: Option<&Path>) -> Result<PathBuf> {
+        let rank = self.process_index();
+        self.load_state_inner(dir)
+            .map_err(|e| crate::setup::status::note_final(rank, e))
+    }
+
+    /// The work of [`load_state`](Self::load_state).
+    fn load_state_inner(&mut self, dir: Option<&Path>) -> Result<PathBuf> {
         // A save still being written must land first: it may be the one asked for.
         self.wait_for_checkpoint()?;
         let dir = match (dir, self.checkpoints.project().cloned()) {
@@ -448,6 +455,13 @@ impl Accelerator {
     /// # Ok(()) }
     /// ```
     pub fn load_state_if_any(&mut self) -> Result<Option<PathBuf>> {
+        let rank = self.process_index();
+        self.load_state_if_any_inner()
+            .map_err(|e| crate::setup::status::note_final(rank, e))
+    }
+
+    /// The work of [`load_state_if_any`](Self::load_state_if_any).
+    fn load_state_if_any_inner(&mut self) -> Result<Option<PathBuf>> {
         self.wait_for_checkpoint()?;
         let Some(project) = self.checkpoints.project().cloned() else {
             return Err(Error::Usage(

@@ -118,16 +118,19 @@ impl Accelerator {
             .iter()
             .map(|v| v.as_tensor().id())
             .collect();
+        let rank = self.process_index();
+        let note = |e| crate::setup::status::note_final(rank, e);
         for varmap in self.finetune.built() {
             let holds = varmap
                 .all_vars()
                 .iter()
                 .any(|v| ids.contains(&v.as_tensor().id()));
             if holds && self.find_model(&varmap).is_none() {
-                self.register_model_holding(&varmap, Some(&ids))?;
+                self.register_model_holding(&varmap, Some(&ids))
+                    .map_err(note)?;
             }
         }
-        self.wrap_optimizer(optimizer)
+        self.wrap_optimizer(optimizer).map_err(note)
     }
 
     /// Writes what trained as a LoRA adapter in `dir`, the layout Python's PEFT loads:

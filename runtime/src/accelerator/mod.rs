@@ -173,7 +173,10 @@ impl Accelerator {
 
     /// Prepares objects for training and returns them in the order given; see [`Prepare`].
     pub fn prepare<P: Prepare>(&mut self, objects: P) -> Result<P::Output> {
-        objects.prepare_with(self)
+        let rank = self.process_index();
+        objects
+            .prepare_with(self)
+            .map_err(|e| crate::setup::status::note_final(rank, e))
     }
 
     /// Prepares `varmap` (if not yet) and wraps the optimizer built over its variables.
@@ -187,15 +190,18 @@ impl Accelerator {
         E: Into<Error>,
     {
         let optimizer = optimizer.map_err(Into::into)?;
+        let rank = self.process_index();
+        let note = |e| crate::setup::status::note_final(rank, e);
         if self.find_model(varmap).is_none() {
             let held: Vec<_> = optimizer
                 .vars()
                 .iter()
                 .map(|v| v.as_tensor().id())
                 .collect();
-            self.register_model_holding(varmap, Some(&held))?;
+            self.register_model_holding(varmap, Some(&held))
+                .map_err(note)?;
         }
-        self.wrap_optimizer(optimizer)
+        self.wrap_optimizer(optimizer).map_err(note)
     }
 
     /// Reseeds ivme's generator (the one [`rng`](Self::rng) returns) from `seed`: the same

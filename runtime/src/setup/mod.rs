@@ -5,3 +5,4 @@ pub(crate) mod allocator;
 pub mod config;
 pub mod env;
 pub mod state;
+pub(crate) mod status;

@@ -27,8 +27,7 @@ use std::time::{Duration, Instant};
 /// Tag of every control message (the control channel is a communicator of its own).
 const TAG: i32 = 77;
 
-/// The variable in which the launcher's rank wrapper names its status folder.
-pub(crate) const STATUS_DIR_VAR: &str = "IVME_STATUS_DIR";
+use crate::setup::status::STATUS_DIR_VAR;
 
 /// How long a rank that stopped for a failed peer waits for that peer to exit first.
 const LINGER: Duration = Duration::from_secs(3);
