@@ -368,6 +368,28 @@ fn a_rank_late_by_far_more_than_usual_is_named_long_before_the_deadline() {
 }
 
 #[test]
+fn a_late_rank_that_then_leaves_ends_the_job_at_once_not_at_the_deadline() {
+    // Its goodbye arrives while the others ask where it is (the late warning's inquiry).
+    let e = run(
+        2,
+        &[
+            "mode=late_leave",
+            "rank=1",
+            "at=36",
+            "steps=40",
+            "timeout=60",
+        ],
+    );
+    failed_promptly(&e, "a late rank that left");
+    assert!(
+        e.output
+            .contains("far longer than collectives recently took"),
+        "{}",
+        e.output
+    );
+}
+
+#[test]
 fn ranks_that_drift_apart_fail_instead_of_mixing_steps() {
     for (n, rank) in layouts() {
         // One backward fewer on one rank: its gradient syncs see other batches than the

@@ -8,7 +8,8 @@
 //! Arguments (`key=value`): `mode` is one of `none`, `err` (return an error from `main`),
 //! `macro_err` (return an error from a `#[accelerate]` function), `panic`, `kill` (SIGKILL),
 //! `stop` (SIGSTOP: the others wait until their collective timeout), `sleep` (7 s of work
-//! outside any collective: the others warn that it is late, then go on), `skip` (skip one
+//! outside any collective: the others warn that it is late, then go on), `late_leave` (5.5 s of
+//! work, then the program ends early, while the others ask where it is), `skip` (skip one
 //! backward: the ranks' gradient syncs drift apart), `barrier` (one extra
 //! `wait_for_everyone`); `rank` is the rank that fails (default 1), `at` the step it fails at
 //! (default 3), `steps` the run's length (default 8), `timeout` the collective timeout in seconds
@@ -116,6 +117,11 @@ fn train(plan: &Plan) -> ivme::Result<()> {
                 "kill" => signal_self("-KILL"),
                 "stop" => signal_self("-STOP"),
                 "sleep" => std::thread::sleep(Duration::from_secs(7)),
+                "late_leave" => {
+                    // Late enough to be warned about, then gone: the program ends early.
+                    std::thread::sleep(Duration::from_millis(5500));
+                    break;
+                }
                 "skip" => continue,
                 "barrier" => accelerator.wait_for_everyone()?,
                 _ => {}

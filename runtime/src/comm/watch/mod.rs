@@ -372,7 +372,7 @@ impl Watch {
              IVME_COLLECTIVE_TIMEOUT if a rank legitimately takes this long",
             self.rank,
             waited.as_secs_f64(),
-            self.inquire(current)
+            self.inquire(current, None)
         );
         self.fail(msg)
     }
@@ -381,20 +381,23 @@ impl Watch {
     /// ranks that have not arrived and what they answer; the deadline still ends the job.
     fn warn_late(&self, current: Option<Current>, waited: Duration) {
         let what = current.map_or_else(|| "the end of the run".to_string(), |c| c.to_string());
+        // Each in its own statement: the inquiry handles control messages, which borrow the
+        // state mutably.
+        let recent = self.state.borrow().waits.describe();
+        let answers = self.inquire(current, current);
         warn_user!(
             "{what} has waited {:.1} s on rank {}, far longer than collectives recently took \
-             ({}); {}. The job ends at the collective deadline ({:.0} s) unless they arrive",
+             ({recent}); {answers}. The job ends at the collective deadline ({:.0} s) unless \
+             they arrive",
             waited.as_secs_f64(),
             self.rank,
-            self.state.borrow().waits.describe(),
-            self.inquire(current),
             self.timeout.as_secs_f64()
         );
     }
 
     /// Asks the peers where they are; says who has not arrived at `current` and where the
-    /// others are.
-    fn inquire(&self, current: Option<Current>) -> String {
+    /// others are. Control messages read meanwhile are handled as if in `waiting`.
+    fn inquire(&self, current: Option<Current>, waiting: Option<Current>) -> String {
         let gone: Vec<Option<u64>> = self.state.borrow().left.clone();
         let asked: Vec<usize> = self.peers().filter(|&r| gone[r].is_none()).collect();
         for &r in &asked {
@@ -407,8 +410,11 @@ impl Watch {
                 if msg[0] == Kind::Here as u64 {
                     answers[from] = Some(msg);
                 } else {
-                    // Another rank's inquiry or goodbye: answer it, but this wait is over.
-                    let _ = self.handle(from, msg, None);
+                    // Another rank's inquiry or goodbye: answer it. `waiting` is the collective
+                    // that goes on waiting after a warning (none after a timeout): a goodbye
+                    // that means it can never complete is recorded as the job's failure, which
+                    // the wait's next poll returns.
+                    let _ = self.handle(from, msg, waiting);
                 }
             }
             std::thread::sleep(Duration::from_millis(5));
