@@ -9,7 +9,8 @@
 //!     target/debug/examples/restartable /tmp/project /tmp/out
 //! ```
 //!
-//! Arguments: `PROJECT_DIR OUT_DIR [epochs=3] [save_every=4] [hold_ms=0]`. The model is a plain
+//! Arguments: `PROJECT_DIR OUT_DIR [epochs=3] [save_every=4] [hold_ms=0] [step_ms=0] [async=0]
+//! [point=1]`. The model is a plain
 //! candle-nn `linear` layer, trained with ivme's `AdamW` on a shuffled `TensorDataset`; state
 //! is saved under `PROJECT_DIR/checkpoints` every `save_every` optimizer steps. At the end rank 0
 //! writes `OUT_DIR/params.json`: the final weights by name, the attempt (`IVME_RESTART_COUNT`)
@@ -18,7 +19,13 @@
 //! `IVME_TEST_DIE_AT=S` makes rank 1 of the first attempt kill itself with SIGKILL once it has
 //! taken optimizer step S, to play a crashed machine. `hold_ms=MS` keeps every rank waiting
 //! that long after preparing, with MPI up, and first writes `OUT_DIR/ready-rank{R}`, so a test
-//! can look at the running job.
+//! can look at the running job. `step_ms=MS` makes each micro-batch take that much longer (a
+//! slower model), so a test can signal the job mid-run; `async=1` saves in the background;
+//! `point=0` leaves out the loop's preemption point.
+//!
+//! A preemption (SIGTERM or SIGUSR1 to `ivme launch` or to a rank) stops the loop at the
+//! `preemption_point` after the optimizer step every rank agreed on: the state is saved there
+//! and the launcher exits with 75; run it again and it continues from that step.
 
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{linear, Optimizer, VarBuilder, VarMap};
@@ -53,13 +60,17 @@ struct Args {
     epochs: u64,
     save_every: u64,
     hold_ms: u64,
+    step_ms: u64,
+    async_saves: bool,
+    point: bool,
 }
 
 impl Args {
     fn parse() -> ivme::Result<Args> {
         let usage = || {
             Error::Usage(
-                "usage: restartable PROJECT_DIR OUT_DIR [epochs=N] [save_every=K] [hold_ms=MS]"
+                "usage: restartable PROJECT_DIR OUT_DIR [epochs=N] [save_every=K] [hold_ms=MS] \
+                 [step_ms=MS] [async=0|1] [point=0|1]"
                     .into(),
             )
         };
@@ -73,6 +84,9 @@ impl Args {
             epochs: 3,
             save_every: 4,
             hold_ms: 0,
+            step_ms: 0,
+            async_saves: false,
+            point: true,
         };
         for word in settings {
             let (key, value) = word.split_once('=').ok_or_else(usage)?;
@@ -81,6 +95,9 @@ impl Args {
                 "epochs" => args.epochs = value,
                 "save_every" => args.save_every = value.max(1),
                 "hold_ms" => args.hold_ms = value,
+                "step_ms" => args.step_ms = value,
+                "async" => args.async_saves = value != 0,
+                "point" => args.point = value != 0,
                 _ => return Err(usage()),
             }
         }
@@ -97,7 +114,10 @@ fn main() -> ivme::Result<()> {
     let args = Args::parse()?;
     let restart = env_number("IVME_RESTART_COUNT").unwrap_or(0);
     let die_at = env_number("IVME_TEST_DIE_AT");
-    let mut acc = Accelerator::builder().cpu(true).build()?;
+    let mut acc = Accelerator::builder()
+        .cpu(true)
+        .async_checkpoints(args.async_saves)
+        .build()?;
     let rank = acc.process_index();
 
     let varmap = VarMap::new();
@@ -131,8 +151,9 @@ fn main() -> ivme::Result<()> {
         ),
         None => println!("restartable: rank {rank}, attempt {restart}: starting afresh"),
     }
-    if args.hold_ms > 0 {
-        write(&args.out.join(format!("ready-rank{rank}")), b"ready\n")?;
+    if args.hold_ms > 0 || args.step_ms > 0 {
+        let pid = format!("{}\n", std::process::id());
+        write(&args.out.join(format!("ready-rank{rank}")), pid.as_bytes())?;
         std::thread::sleep(std::time::Duration::from_millis(args.hold_ms));
     }
 
@@ -145,6 +166,7 @@ fn main() -> ivme::Result<()> {
         loader.set_epoch(epoch);
         for batch in loader.iter() {
             let (x, y) = batch?;
+            std::thread::sleep(std::time::Duration::from_millis(args.step_ms));
             let loss = candle_nn::loss::mse(&model.forward(&x)?, &y)?;
             let grads = acc.backward(&loss)?;
             opt.step(&grads)?;
@@ -158,6 +180,10 @@ fn main() -> ivme::Result<()> {
             }
             if done % args.save_every == 0 {
                 acc.save_state(None)?;
+            }
+            // Saves and ends the run here once the ranks agreed to stop for a preemption.
+            if args.point {
+                acc.preemption_point()?;
             }
         }
         epoch += 1;

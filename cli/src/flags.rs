@@ -92,7 +92,11 @@ fn notes() -> String {
          \nWhen a rank fails, the job ends; with --max_restarts N it is started again, up to N\n\
          times (never after Ctrl-C), and each rank sees IVME_RESTART_COUNT (0 at first), so a\n\
          program that calls `load_state_if_any` right after preparing continues from its newest\n\
-         checkpoint.",
+         checkpoint.\n\
+         \nA SIGTERM or SIGUSR1 to the launcher is a preemption (IVME_PREEMPT_SIGNALS): it reaches\n\
+         every rank as SIGUSR1, the ranks stop after the optimizer step they agree on, save at\n\
+         their preemption point, and the launcher exits with 75 (IVME_REQUEUE_EXIT_CODE) for a\n\
+         scheduler to requeue on; never restarted.",
         mpirun::MPIRUN_VAR
     )
 }

@@ -3,7 +3,8 @@
 //! The plan (what to run, how, with which environment) comes from [`crate::plan`], with what the
 //! flags leave unset taken from the config file ([`crate::settings`]); this module runs it, then
 //! reads which ranks failed and picks the exit code. With `--max_restarts N` a failed job is
-//! run again, whole, up to N times; a stop the user asked for (Ctrl-C, SIGTERM) never is.
+//! run again, whole, up to N times; a stop the user asked for (Ctrl-C) never is, nor a
+//! preemption (SIGTERM or SIGUSR1 by default), after which it exits with the requeue code.
 
 use crate::cli::Parsed;
 use crate::faults;
@@ -69,6 +70,15 @@ pub fn main(words: &[String]) -> Result<i32> {
         print!("{}", report::secondary_message(&plan));
         return Ok(0);
     }
+    let preempt = ivme::preempt::PreemptSettings::read(lookup)?;
+    let requeue = ivme::preempt::requeue_exit_code(lookup)?;
+    let preempt = Preemption {
+        supervise: process::Preempt {
+            signals: preempt.signals,
+            grace: Some(preempt.grace),
+        },
+        requeue,
+    };
     let mpirun = if plan.uses_mpi() {
         Some(Mpirun::find(lookup)?)
     } else {
@@ -111,7 +121,7 @@ pub fn main(words: &[String]) -> Result<i32> {
     }
     loop {
         let inv = plan.invocation(&ctx)?;
-        let (code, cause) = match run_once(&inv)? {
+        let (code, cause) = match run_once(&inv, &preempt)? {
             Ended::Done(code) => return Ok(code),
             Ended::Failed(code, cause) => (code, cause),
             Ended::Recurs(code, note) => {
@@ -124,6 +134,15 @@ pub fn main(words: &[String]) -> Result<i32> {
                 return Ok(code);
             }
         };
+        // A preemption that came while the job was failing: the scheduler requeues it.
+        if let Some(sig) = process::preempted_by() {
+            eprintln!(
+                "ivme: preempted (signal {sig} to the launcher); not restarting; exiting with {} \
+                 so a scheduler can requeue the job",
+                preempt.requeue
+            );
+            return Ok(preempt.requeue);
+        }
         // Ctrl-C or SIGTERM while the launcher waited between attempts: stop here too.
         if let Some(sig) = process::stopped_by() {
             eprintln!("ivme: stopped by signal {sig}; not restarting");
@@ -144,6 +163,12 @@ pub fn main(words: &[String]) -> Result<i32> {
     }
 }
 
+/// What `ivme launch` does on a preemption signal, and its exit code after one.
+struct Preemption {
+    supervise: process::Preempt,
+    requeue: i32,
+}
+
 /// How one attempt at the job ended.
 enum Ended {
     /// Success, or a stop the user asked for: the launcher exits with this code.
@@ -156,14 +181,17 @@ enum Ended {
 }
 
 /// Runs the job once, in a fresh status folder, and reports how it went.
-fn run_once(inv: &Invocation) -> Result<Ended> {
-    let _cleanup = inv.status_dir.clone().map(StatusDir);
-    if let Some(dir) = &inv.status_dir {
-        std::fs::create_dir_all(dir)
-            .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
-    }
+fn run_once(inv: &Invocation, preempt: &Preemption) -> Result<Ended> {
+    // A program started directly notes a preemption in a folder of its own.
+    let notes = inv.status_dir.clone().unwrap_or_else(fresh_status_dir);
+    let _cleanup = StatusDir(notes.clone());
+    std::fs::create_dir_all(&notes)
+        .map_err(|e| Error::io(format!("creating {}", notes.display()), e))?;
     let mut cmd = Command::new(&inv.argv[0]);
     cmd.args(&inv.argv[1..]).envs(inv.env.iter().cloned());
+    if inv.status_dir.is_none() {
+        cmd.env(ivme::preempt::STATUS_DIR_VAR, &notes);
+    }
     if let Some(dir) = &inv.status_dir {
         // Open MPI keeps its session files under one folder per user and machine, which two
         // jobs starting and ending at once race to create and remove; each launch gets its
@@ -172,8 +200,11 @@ fn run_once(inv: &Invocation) -> Result<Ended> {
             cmd.env(SESSION_DIR_VAR, dir);
         }
     }
-    let outcome = process::supervise(&mut cmd)
+    let outcome = process::supervise(&mut cmd, &preempt.supervise)
         .map_err(|e| Error::io(format!("starting `{}`", inv.argv[0]), e))?;
+    if let Some(code) = faults::preempted(&notes, outcome.code, preempt.requeue) {
+        return Ok(Ended::Done(code));
+    }
     report(inv, outcome)
 }
 

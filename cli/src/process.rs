@@ -3,7 +3,8 @@
 use ivme::{Error, Result};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus};
-use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::atomic::{AtomicI32, AtomicU64, Ordering};
+use std::time::Duration;
 
 /// How a child ended, as a shell would report it: its exit code, or 128 + the signal that
 /// killed it.
@@ -197,18 +198,37 @@ pub fn die_with_parent(cmd: &mut Command) {
 
 static CHILD: AtomicI32 = AtomicI32::new(0);
 static STOPPED_BY: AtomicI32 = AtomicI32::new(0);
+static PREEMPTED_BY: AtomicI32 = AtomicI32::new(0);
+/// The signals taken as a preemption, one bit per signal number.
+static PREEMPT_MASK: AtomicU64 = AtomicU64::new(0);
 
 /// The signal (SIGINT or SIGTERM) that asked this process to stop while it supervised a child.
 pub fn stopped_by() -> Option<i32> {
     Some(STOPPED_BY.load(Ordering::SeqCst)).filter(|&s| s != 0)
 }
 
+/// The preemption signal this process received while it supervised a child, if one came.
+pub fn preempted_by() -> Option<i32> {
+    Some(PREEMPTED_BY.load(Ordering::SeqCst)).filter(|&s| s != 0)
+}
+
 #[cfg(unix)]
 extern "C" fn on_signal(sig: libc::c_int) {
+    let child = CHILD.load(Ordering::SeqCst);
+    if (0..64).contains(&sig) && PREEMPT_MASK.load(Ordering::SeqCst) & (1 << sig) != 0 {
+        // A preemption is passed on as the relay signal, which mpirun forwards to every rank.
+        let _ = PREEMPTED_BY.compare_exchange(0, sig, Ordering::SeqCst, Ordering::SeqCst);
+        if child > 0 {
+            // SAFETY: kill is async-signal-safe.
+            unsafe {
+                libc::kill(child, ivme::preempt::RELAY_SIGNAL);
+            }
+        }
+        return;
+    }
     STOPPED_BY.store(sig, Ordering::SeqCst);
     // SIGINT from the terminal already reaches the child through the process group, so only
     // SIGTERM, which is aimed at this process alone, is passed on.
-    let child = CHILD.load(Ordering::SeqCst);
     if sig == libc::SIGTERM && child > 0 {
         // SAFETY: kill is async-signal-safe.
         unsafe {
@@ -217,19 +237,38 @@ extern "C" fn on_signal(sig: libc::c_int) {
     }
 }
 
+/// How a supervised child is treated on a preemption signal.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Preempt {
+    /// The signals taken as a preemption (passed on as the relay signal, not as a stop).
+    pub signals: Vec<i32>,
+    /// How long the child may take to stop after one; then it is killed.
+    pub grace: Option<Duration>,
+}
+
 /// Starts `cmd` and waits for it while this process stays alive through Ctrl-C and passes
-/// SIGTERM on, so the caller can still report the outcome and clean up.
-pub fn supervise(cmd: &mut Command) -> std::io::Result<Outcome> {
+/// SIGTERM on, so the caller can still report the outcome and clean up. A signal of
+/// `preempt` is passed on as the relay signal; a child still running `grace` (and a few
+/// seconds more) after it is killed.
+pub fn supervise(cmd: &mut Command, preempt: &Preempt) -> std::io::Result<Outcome> {
     die_with_parent(cmd);
     let mut child: Child = cmd.spawn()?;
     #[cfg(unix)]
     {
         CHILD.store(child.id() as i32, Ordering::SeqCst);
+        let mask = preempt
+            .signals
+            .iter()
+            .filter(|&&s| (0..64).contains(&s))
+            .fold(0u64, |m, &s| m | (1 << s));
+        PREEMPT_MASK.store(mask, Ordering::SeqCst);
         // Handlers (unlike ignored signals) reset to the default in the exec'd child.
         // SAFETY: the handler only touches atomics and calls kill.
         unsafe {
             let handler = on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t;
-            for sig in [libc::SIGINT, libc::SIGTERM] {
+            let mut signals = vec![libc::SIGINT, libc::SIGTERM];
+            signals.extend(preempt.signals.iter().copied());
+            for sig in signals {
                 // A signal the caller chose to ignore (nohup, a background job) stays ignored.
                 if libc::signal(sig, handler) == libc::SIG_IGN {
                     libc::signal(sig, libc::SIG_IGN);
@@ -242,9 +281,35 @@ pub fn supervise(cmd: &mut Command) -> std::io::Result<Outcome> {
             }
         }
     }
-    let status = child.wait();
+    let status = wait_within_grace(&mut child, preempt.grace);
     CHILD.store(0, Ordering::SeqCst);
     status.map(Outcome::of)
+}
+
+/// Waits for `child`; once a preemption came, for at most `grace` and 5 s more, then kills it.
+fn wait_within_grace(child: &mut Child, grace: Option<Duration>) -> std::io::Result<ExitStatus> {
+    let Some(grace) = grace else {
+        return child.wait();
+    };
+    let mut since: Option<std::time::Instant> = None;
+    loop {
+        if let Some(status) = child.try_wait()? {
+            return Ok(status);
+        }
+        if preempted_by().is_some() {
+            let at = *since.get_or_insert_with(std::time::Instant::now);
+            if at.elapsed() > grace + Duration::from_secs(5) {
+                eprintln!(
+                    "ivme: the job did not stop within the preemption grace period ({} s); \
+                     killing it",
+                    grace.as_secs_f64()
+                );
+                let _ = child.kill();
+                return child.wait();
+            }
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
 }
 
 #[cfg(test)]

@@ -203,7 +203,19 @@ pub fn main(args: &[String]) -> Result<i32> {
     let mut cmd = Command::new(&program);
     // The runtime records there which peer's failure made this rank stop.
     cmd.args(&program_args).env(STATUS_DIR_VAR, &status_dir);
-    let outcome = match process::supervise(&mut cmd) {
+    // The launcher's relay (and a scheduler's own signal) reaches the program as a preemption;
+    // the launcher bounds the stop by the grace period. SIGTERM keeps its meaning here, a stop
+    // passed on as SIGTERM: it is how mpirun ends a job whose rank failed.
+    let preempt = process::Preempt {
+        signals: ivme::preempt::PreemptSettings::read(|k| std::env::var(k).ok())
+            .map(|s| s.signals)
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|&s| s != libc::SIGTERM)
+            .collect(),
+        grace: None,
+    };
+    let outcome = match process::supervise(&mut cmd, &preempt) {
         Ok(outcome) => outcome,
         Err(e) => {
             eprintln!("ivme: rank {rank} could not start `{program}`: {e}");

@@ -11,7 +11,9 @@
 //!
 //! Arguments: `project=DIR` (checkpoints), `out=DIR` (each rank writes `rank{R}.json` with its
 //! final weights and the batches it trained), `stop_at=K` (save after the K-th optimizer step of
-//! this run and stop). It saves after every second step and resumes from the newest checkpoint.
+//! this run and stop), `preempt_at=K` (rank 1 sends itself SIGTERM after its K-th optimizer step:
+//! the ranks stop for a preemption after the next one, at the attribute's preemption point). It
+//! saves after every second step and resumes from the newest checkpoint.
 
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{linear, Optimizer, VarBuilder, VarMap};
@@ -25,6 +27,7 @@ fn train(
     acc: &mut Accelerator,
     batches: Vec<(Tensor, Tensor)>,
     stop_at: Option<usize>,
+    preempt_at: Option<usize>,
 ) -> candle_core::Result<(VarMap, usize)> {
     let device = Device::Cpu;
     let varmap = VarMap::new();
@@ -54,6 +57,13 @@ fn train(
             let grads = loss.backward()?;
             opt.step(&grads)?;
             trained += 1;
+            if Some(trained) == preempt_at && acc.process_index() == 1 {
+                // A scheduler's preemption, as a real signal to this rank alone.
+                let pid = std::process::id().to_string();
+                let _ = std::process::Command::new("kill")
+                    .args(["-s", "TERM", &pid])
+                    .status();
+            }
             if trained % 2 == 0 || Some(trained) == stop_at {
                 acc.save_state(None)?;
             }
@@ -79,6 +89,7 @@ fn main() -> ivme::Result<()> {
         .unwrap_or_else(|| "macro_resume_run".into());
     let out = args.get("out").cloned().unwrap_or_else(|| ".".into());
     let stop_at = args.get("stop_at").and_then(|v| v.parse().ok());
+    let preempt_at = args.get("preempt_at").and_then(|v| v.parse().ok());
     let mut acc = Accelerator::builder().project_dir(project).build()?;
     // 10 batches of y = sum(x): 5 per rank per epoch on 2 ranks.
     let mut rng = Rng::new(11);
@@ -89,7 +100,7 @@ fn main() -> ivme::Result<()> {
             Ok((x, y))
         })
         .collect::<ivme::Result<Vec<_>>>()?;
-    let (varmap, trained) = train(&mut acc, batches, stop_at)?;
+    let (varmap, trained) = train(&mut acc, batches, stop_at, preempt_at)?;
     let data = varmap.data().lock().expect("varmap lock");
     let params: BTreeMap<&String, Vec<f32>> = data
         .iter()

@@ -70,6 +70,31 @@ pub enum Error {
     /// Misuse of an API, with the fix in the message.
     #[error("{0}")]
     Usage(String),
+
+    /// The run stopped for a preemption signal after an optimizer step every rank agreed on:
+    /// not a failure. `ivme launch` exits with its requeue code (docs/faults.md).
+    #[error("{}", preempted_message(*step, checkpoint.as_deref()))]
+    Preempted {
+        /// The optimizer steps taken when the run stopped.
+        step: u64,
+        /// The checkpoint written at that step, if one could be.
+        checkpoint: Option<PathBuf>,
+    },
+}
+
+fn preempted_message(step: u64, checkpoint: Option<&std::path::Path>) -> String {
+    match checkpoint {
+        Some(dir) => format!(
+            "preempted: every rank stopped after optimizer step {step} and saved {}; a \
+             restarted run continues from it (`load_state_if_any`)",
+            dir.display()
+        ),
+        None => format!(
+            "preempted: every rank stopped after optimizer step {step}; no checkpoint was \
+             written at it (set a project folder with automatic checkpoint naming, and call \
+             `accelerator.preemption_point()` after the optimizer step, as `#[accelerate]` does)"
+        ),
+    }
 }
 
 /// The kind of an [`Error::Checkpoint`]: what a caller can do about it.
@@ -165,6 +190,12 @@ impl Error {
             ),
             _ => false,
         }
+    }
+
+    /// Whether this is the stop of a preemption ([`Error::Preempted`]), which a program ends
+    /// on without treating it as a failure.
+    pub fn is_preempted(&self) -> bool {
+        matches!(self, Error::Preempted { .. })
     }
 
     /// Builds a configuration error naming the key, the bad value and the fix.

@@ -66,7 +66,7 @@ pub use accelerator::prepare::{self, Prepare};
 pub use ivme_macros::accelerate;
 pub use observe::{logging, memory, metrics, progress, tracking};
 pub use precision::{autocast, scaler};
-pub use setup::{config, env, state};
+pub use setup::{config, env, preempt, state};
 
 /// What this build of the library was made with, for bug reports (`ivme env` prints it).
 pub mod build {

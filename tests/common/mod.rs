@@ -4,6 +4,8 @@
 //! These tests run real binaries that `cargo test` does not build for this package: run
 //! `cargo build --workspace --bins --examples` first.
 
+pub mod job;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 

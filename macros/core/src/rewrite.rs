@@ -99,6 +99,37 @@ impl Rewriter {
                     )
                 }
             };
+            // The loop stops here, after the optimizer and scheduler steps, when the ranks
+            // agreed to stop for a preemption: it saves and ends the function with the error.
+            // (A body that ends by leaving the iteration never reaches it: nothing is added.)
+            let leaves = matches!(
+                f.body.stmts.last(),
+                Some(syn::Stmt::Expr(
+                    Expr::Break(_) | Expr::Continue(_) | Expr::Return(_),
+                    _
+                ))
+            );
+            if !leaves {
+                // A tail expression that is not a block (`foo()`) needs a `;` before the call.
+                if let Some(syn::Stmt::Expr(e, semi @ None)) = f.body.stmts.last_mut() {
+                    let block_like = matches!(
+                        e,
+                        Expr::Block(_)
+                            | Expr::If(_)
+                            | Expr::Match(_)
+                            | Expr::Loop(_)
+                            | Expr::While(_)
+                            | Expr::ForLoop(_)
+                            | Expr::Unsafe(_)
+                    );
+                    if !block_like {
+                        *semi = Some(Default::default());
+                    }
+                }
+                f.body
+                    .stmts
+                    .push(parse_quote_spanned!(span=> #acc.preemption_point()?;));
+            }
         }
         self.backward_pending = outer;
     }

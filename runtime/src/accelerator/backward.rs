@@ -37,12 +37,14 @@ impl Accelerator {
                     .into(),
             ));
         }
+        self.stop_if_agreed()?;
         self.report_frozen_once();
         let MicroStep { window, sync } = self.training.window().for_backward();
         let scale = self.mixed.loss_scale();
         // Each micro-batch counts 1/window of its window's mean; the scale is undone after sync.
         let store = self.scaled_backward(loss, scale / window as f64)?;
         if sync && self.passes_through() {
+            self.agree_on_stop()?;
             return self.end_in_place(store);
         }
         let touched = self.accumulate(&store)?;
@@ -52,6 +54,7 @@ impl Accelerator {
         }
         let grads = self.end_window(&touched, 1.0 / scale)?;
         self.mixed.end_step(grads.found_overflow())?;
+        self.agree_on_stop()?;
         Ok(grads)
     }
 

@@ -241,6 +241,7 @@ impl AcceleratorBuilder {
             (None, None) => None,
         };
 
+        let preempt = crate::setup::preempt::PreemptSettings::read(|k| std::env::var(k).ok())?;
         let layout = EnvLayout::from_env()?;
         let (rank, world, local_rank, local_world) = match layout {
             Some(l) => (l.rank, l.world_size, l.local_rank, l.local_world_size),
@@ -277,6 +278,8 @@ impl AcceleratorBuilder {
                 .is_none_or(|raw| env::parse_bool(&raw) != Some(false))
         });
         crate::setup::allocator::tune(tuning);
+        // After the communicator opened, so that no MPI set-up replaces the handlers.
+        crate::setup::preempt::install(&preempt);
         let seed = self.seed.unwrap_or(0);
         Ok(Accelerator {
             state,
@@ -294,6 +297,7 @@ impl AcceleratorBuilder {
             checkpoints: crate::checkpoint::Checkpointing::new(project, self.async_checkpoints),
             trackers: Shared::new(None),
             finetune: Default::default(),
+            preempt: Default::default(),
         })
     }
 }

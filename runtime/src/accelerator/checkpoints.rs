@@ -351,7 +351,7 @@ impl Accelerator {
         }
     }
 
-    fn optimizer_steps(&self) -> u64 {
+    pub(crate) fn optimizer_steps(&self) -> u64 {
         self.training.steps()
     }
 

@@ -29,6 +29,7 @@ mod metrics;
 mod model_files;
 mod models;
 mod newest;
+mod preempt;
 pub mod prepare;
 mod reshard;
 mod restore;
@@ -61,6 +62,8 @@ pub struct Accelerator {
     pub(crate) trackers: Shared<Option<crate::observe::tracking::Trackers>>,
     /// A fine-tune's base, patterns and the `VarMap`s builders made variables in.
     pub(crate) finetune: crate::finetune::FineTuning,
+    /// Whether the ranks agreed to stop for a preemption (setup/preempt.rs).
+    pub(crate) preempt: crate::setup::preempt::Preemption,
 }
 
 impl std::fmt::Debug for Accelerator {

@@ -135,6 +135,17 @@ pub trait Communicator {
     fn all_gather_bytes(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>>;
     /// Returns once every rank has reached it.
     fn barrier(&self) -> Result<()>;
+    /// Whether any rank asked to stop for a preemption (setup/preempt.rs): the same answer on
+    /// every rank that calls it at the same point of the run. The default runs one small
+    /// all-reduce; the MPI communicator reads what the arrival tokens of its collectives carried.
+    fn agree_to_stop(&self) -> Result<bool> {
+        let mine = crate::setup::preempt::requested();
+        if self.world_size() == 1 {
+            return Ok(mine);
+        }
+        let flag = Tensor::new(&[if mine { 1f32 } else { 0.0 }], &candle_core::Device::Cpu)?;
+        Ok(self.all_reduce(&flag, ReduceOp::Max)?.to_vec1::<f32>()?[0] > 0.0)
+    }
     /// The backend's name, for reports.
     fn name(&self) -> &'static str;
 }
@@ -282,6 +293,10 @@ impl Communicator for Counted {
         self.tick_bytes(bytes.len());
         self.inner.all_gather_bytes(bytes)
     }
+    fn agree_to_stop(&self) -> Result<bool> {
+        self.inner.agree_to_stop()
+    }
+
     fn barrier(&self) -> Result<()> {
         self.tick();
         self.inner.barrier()

@@ -404,6 +404,13 @@ impl Communicator for MpiComm {
         self.collective(desc, || Ok(self.gather_bytes(bytes)))
     }
 
+    fn agree_to_stop(&self) -> Result<bool> {
+        if self.world_size() == 1 {
+            return Ok(crate::setup::preempt::requested());
+        }
+        Ok(self.watch.stop_seen())
+    }
+
     fn barrier(&self) -> Result<()> {
         let desc = Op::new(OpKind::Barrier, 0);
         // Every rank arriving at the same call is the barrier.

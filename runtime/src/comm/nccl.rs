@@ -322,6 +322,10 @@ impl Communicator for NcclComm {
         self.control.barrier()
     }
 
+    fn agree_to_stop(&self) -> Result<bool> {
+        self.control.agree_to_stop()
+    }
+
     fn name(&self) -> &'static str {
         "nccl"
     }

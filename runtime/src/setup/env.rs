@@ -171,6 +171,27 @@ pub const PROGRESS: Var = Var {
     values: "0 to turn off",
     meaning: "progress bars of `accelerator.progress(..)` (drawn only on a terminal)",
 };
+/// The signals taken as a preemption.
+pub const PREEMPT_SIGNALS: Var = Var {
+    name: "IVME_PREEMPT_SIGNALS",
+    set_by: SetBy::User,
+    values: "signal names: TERM,USR1 (the default), USR2, HUP, INT, or none",
+    meaning: "signals that make the launcher and every rank stop at the next optimizer step, save and exit for a requeue (docs/faults.md)",
+};
+/// How long a preempted rank may take to stop.
+pub const PREEMPT_GRACE: Var = Var {
+    name: "IVME_PREEMPT_GRACE",
+    set_by: SetBy::User,
+    values: "a duration (default 25s)",
+    meaning: "after a preemption signal a rank still running this long exits; set it below the scheduler's own grace",
+};
+/// The launcher's exit code after a preemption.
+pub const REQUEUE_EXIT_CODE: Var = Var {
+    name: "IVME_REQUEUE_EXIT_CODE",
+    set_by: SetBy::User,
+    values: "1 to 255 (default 75)",
+    meaning: "the exit code of `ivme launch` when the job stopped for a preemption, for a scheduler to requeue on",
+};
 
 /// Every variable of the contract, in the order docs/launch.md lists them.
 pub const VARS: &[Var] = &[
@@ -192,6 +213,9 @@ pub const VARS: &[Var] = &[
     MALLOC_TUNING,
     LOG_LEVEL,
     PROGRESS,
+    PREEMPT_SIGNALS,
+    PREEMPT_GRACE,
+    REQUEUE_EXIT_CODE,
 ];
 
 /// The MPI launchers' variables a process reads its place from: rank, world size, local rank

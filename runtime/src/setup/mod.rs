@@ -4,5 +4,6 @@
 pub(crate) mod allocator;
 pub mod config;
 pub mod env;
+pub mod preempt;
 pub mod state;
 pub(crate) mod status;

@@ -4,7 +4,7 @@
 use crate::error::Error;
 
 /// The variable in which the launcher's rank wrapper names the status folder.
-pub(crate) const STATUS_DIR_VAR: &str = "IVME_STATUS_DIR";
+pub const STATUS_DIR_VAR: &str = "IVME_STATUS_DIR";
 
 /// Notes `e` for the launcher when a restart would fail the same way
 /// ([`Error::recurs_on_restart`]): `final-{rank}` holds its message. Returns `e`. Nothing is

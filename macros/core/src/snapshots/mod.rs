@@ -232,6 +232,7 @@ fn the_innermost_loop_with_backward_is_sharded_and_steps_stay() {
                         let grads = acc.backward(&loss)?;
                         opt.step(&grads)?;
                         sched.step();
+                        acc.preemption_point()?;
                     }
                     for x in eval.iter() { println!("{}", x.backward()); }
                 }
@@ -255,6 +256,7 @@ fn backward_step_becomes_a_step_on_the_accelerators_gradients() {
             fn f(acc: &mut Accelerator) {
                 for (a, b) in ::ivme::macro_support::shard(&acc, data.iter())? {
                     loop { opt.step(&acc.backward(&loss_fn(&a, &b)?)?)?; }
+                    acc.preemption_point()?;
                 }
             }
         },
@@ -274,6 +276,34 @@ fn an_enumerated_batch_loop_shards_what_it_enumerates() {
             fn f(acc: &mut Accelerator) {
                 for (i, (x, y)) in ::ivme::macro_support::shard(&acc, batches.iter())?.enumerate() {
                     opt.step(&acc.backward(&l(x, y))?)?;
+                    acc.preemption_point()?;
+                }
+            }
+        },
+    );
+}
+
+#[test]
+fn the_preemption_point_follows_a_tail_expression_and_skips_a_body_that_leaves() {
+    assert_expands(
+        quote!(),
+        quote! {
+            fn f(acc: &mut Accelerator) {
+                for x in xs.iter() { let g = l(x).backward()?; opt.step(&g)? }
+                for x in ys.iter() { let g = l(x).backward()?; opt.step(&g)?; break; }
+            }
+        },
+        quote! {
+            fn f(acc: &mut Accelerator) {
+                for x in ::ivme::macro_support::shard(&acc, xs.iter())? {
+                    let g = acc.backward(&l(x))?;
+                    opt.step(&g)?;
+                    acc.preemption_point()?;
+                }
+                for x in ::ivme::macro_support::shard(&acc, ys.iter())? {
+                    let g = acc.backward(&l(x))?;
+                    opt.step(&g)?;
+                    break;
                 }
             }
         },

@@ -12,6 +12,7 @@ fn train(
             y,
         )?;
         opt.step(&accelerator.backward(&loss)?)?;
+        accelerator.preemption_point()?;
     }
     Ok(())
 }

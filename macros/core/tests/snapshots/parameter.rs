@@ -23,6 +23,7 @@ pub fn train<M: Module>(
             let grads = accelerator.backward(&loss)?;
             opt.step(&grads)?;
             last = loss.to_scalar::<f32>()?;
+            accelerator.preemption_point()?;
         }
     }
     Ok(last)

@@ -24,6 +24,7 @@ fn train(
         let loss = loss_fn(&outputs, &targets)?;
         let grads = accelerator.backward(&loss)?;
         opt.step(&grads)?;
+        accelerator.preemption_point()?;
     }
     Ok(())
 }

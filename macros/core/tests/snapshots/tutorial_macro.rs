@@ -37,6 +37,7 @@ fn train(batches: Vec<(Tensor, Tensor)>, epochs: usize) -> candle_core::Result<(
             scheduler.step();
             total += loss.to_scalar::<f32>()?;
             count += 1.0;
+            accelerator.preemption_point()?;
         }
         accelerator
             .print(

@@ -11,7 +11,27 @@ use mpi::topology::Communicator as _;
 /// Tag of the arrival tokens (on a communicator of their own).
 const TOKEN_TAG: i32 = 78;
 
+/// What a rank sends each peer on arrival: the collective's token, then whether a preemption
+/// signal asked this rank to stop (setup/preempt.rs). Every rank reads the same words for the
+/// same collective, so the ranks agree on a stop without a collective of its own.
+type Arrival = [u64; 6];
+
+fn arrival(token: Token) -> Arrival {
+    let [a, b, c, d, e] = token;
+    [a, b, c, d, e, u64::from(crate::setup::preempt::requested())]
+}
+
+fn token_of(arrival: &Arrival) -> Token {
+    [arrival[0], arrival[1], arrival[2], arrival[3], arrival[4]]
+}
+
 impl Watch {
+    /// Whether a rank asked to stop (a preemption signal), as the arrivals so far showed it:
+    /// the same answer on every rank between the same two collectives.
+    pub fn stop_seen(&self) -> bool {
+        self.state.borrow().stop_seen
+    }
+
     /// Waits (with the deadline, watching the control channel) until every rank arrived at
     /// the current collective, and fails on every rank if they are not at the same one.
     ///
@@ -27,7 +47,8 @@ impl Watch {
             return Ok(());
         }
         // Boxed so that a send abandoned by a failure can keep reading it: it is leaked then.
-        let mine: Box<Token> = Box::new(current.token());
+        let mine: Box<Arrival> = Box::new(arrival(current.token()));
+        let mut stop = mine[5] != 0;
         let mut got = vec![false; self.size];
         got[self.rank] = true;
         let mut mismatch: Option<(usize, Token)> = None;
@@ -53,11 +74,12 @@ impl Watch {
                     }
                     let from = self.tokens.process_at_rank(r as i32);
                     if let Some((msg, _)) = from.immediate_matched_probe_with_tag(TOKEN_TAG) {
-                        let mut theirs: Token = [0; 5];
+                        let mut theirs: Arrival = [0; 6];
                         msg.matched_receive_into(&mut theirs[..]);
                         *seen = true;
-                        if theirs != *mine && mismatch.is_none() {
-                            mismatch = Some((r, theirs));
+                        stop |= theirs[5] != 0;
+                        if token_of(&theirs) != token_of(&mine) && mismatch.is_none() {
+                            mismatch = Some((r, token_of(&theirs)));
                         }
                     }
                 }
@@ -76,6 +98,9 @@ impl Watch {
             Box::leak(mine);
         }
         result?;
+        if stop && mismatch.is_none() {
+            self.state.borrow_mut().stop_seen = true;
+        }
         if let Some((r, theirs)) = mismatch {
             return Err(self.fail(format!(
                 "the collectives do not line up across ranks: rank {} is at {current} but rank \

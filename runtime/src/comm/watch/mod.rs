@@ -86,6 +86,8 @@ struct State {
     abort_sent: bool,
     /// The peer whose failure (or early goodbye) ended this rank's run, if one did.
     cause: Option<usize>,
+    /// Whether an arrival so far carried a rank's request to stop (a preemption signal).
+    stop_seen: bool,
 }
 
 /// Deadlines, the control channel and the end-of-run protocol of one MPI job.
