@@ -128,7 +128,7 @@ fn preempt_and_resume(dir: &Path, i: usize, case: Case, baseline: &serde_json::V
     } else {
         "async=0"
     };
-    let job = restartable(case.ranks, &project, &out, &["step_ms=25", async_arg]);
+    let job = restartable(case.ranks, &project, &out, &["step_ms=40", async_arg]);
     let ranks = pids(&out, case.ranks, &job);
     std::thread::sleep(Duration::from_millis(case.after_ms));
     match case.target {
@@ -347,7 +347,7 @@ fn twenty_preemptions_at_random_moments_all_save_and_resume_bit_for_bit() {
             ranks,
             target,
             signal: if next(2) == 0 { "TERM" } else { "USR1" },
-            after_ms: 150 + next(500),
+            after_ms: 150 + next(450),
             async_saves: next(2) == 0,
         };
         steps.push(preempt_and_resume(&dir.0, i, case, &bases[ranks - 2]));

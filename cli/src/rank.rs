@@ -226,6 +226,12 @@ pub fn main(args: &[String]) -> Result<i32> {
         }
     };
     // A rank mpirun told to stop (because another failed, or on Ctrl-C) did not fail itself.
+    // A program that stopped for a preemption noted it: its error exit is not a failure, and
+    // ending with 0 spares mpirun's second of tearing down a failed job.
+    let marker = status_dir.join(format!("{}{rank}", ivme::preempt::MARKER_PREFIX));
+    if outcome.code != 0 && marker.is_file() {
+        return Ok(0);
+    }
     if outcome.code != 0 && process::stopped_by().is_none() {
         eprintln!("ivme: rank {rank} failed with {}", outcome.describe());
         let at_nanos = SystemTime::now()
