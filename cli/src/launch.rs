@@ -16,17 +16,32 @@ use crate::rank::{self, Failure};
 use crate::report;
 use crate::settings::Location;
 use ivme::{Error, Result};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-/// Removes the status folder however the launch ends.
+/// Removes a folder of the launch (the status folder, the snapshots) however the launch ends.
 struct StatusDir(PathBuf);
 
 impl Drop for StatusDir {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
     }
+}
+
+/// The folder the ranks keep in-memory snapshots in: memory-backed `/dev/shm` where there is
+/// one. Created by the ranks when they take one.
+fn snapshot_dir() -> PathBuf {
+    let shm = Path::new("/dev/shm");
+    let base = if shm.is_dir() {
+        shm.to_path_buf()
+    } else {
+        std::env::temp_dir()
+    };
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    base.join(format!("ivme-snapshots-{}-{nanos}", std::process::id()))
 }
 
 fn fresh_status_dir() -> PathBuf {
@@ -119,9 +134,11 @@ pub fn main(words: &[String]) -> Result<i32> {
         );
         return Ok(0);
     }
+    // The ranks' in-memory snapshots outlive each attempt, not the launcher.
+    let snapshots = StatusDir(snapshot_dir());
     loop {
         let inv = plan.invocation(&ctx)?;
-        let (code, cause) = match run_once(&inv, &preempt)? {
+        let (code, cause) = match run_once(&inv, &preempt, &snapshots.0)? {
             Ended::Done(code) => return Ok(code),
             Ended::Failed(code, cause) => (code, cause),
             Ended::Recurs(code, note) => {
@@ -181,7 +198,7 @@ enum Ended {
 }
 
 /// Runs the job once, in a fresh status folder, and reports how it went.
-fn run_once(inv: &Invocation, preempt: &Preemption) -> Result<Ended> {
+fn run_once(inv: &Invocation, preempt: &Preemption, snapshots: &Path) -> Result<Ended> {
     // A program started directly notes a preemption in a folder of its own.
     let notes = inv.status_dir.clone().unwrap_or_else(fresh_status_dir);
     let _cleanup = StatusDir(notes.clone());
@@ -192,6 +209,8 @@ fn run_once(inv: &Invocation, preempt: &Preemption) -> Result<Ended> {
     if inv.status_dir.is_none() {
         cmd.env(ivme::preempt::STATUS_DIR_VAR, &notes);
     }
+    // This machine's ranks inherit it (snapshots are taken only when all ranks are here).
+    cmd.env(ivme::env::SNAPSHOT_DIR.name, snapshots);
     if let Some(dir) = &inv.status_dir {
         // Open MPI keeps its session files under one folder per user and machine, which two
         // jobs starting and ending at once race to create and remove; each launch gets its

@@ -17,6 +17,7 @@ use ivme::optim::{AdamW, ParamsAdamW};
     collective_timeout = 90.5,
     debug_sync = true,
     async_checkpoints = true,
+    snapshot_every = 10,
     zero = 2
 )]
 fn train(batches: Vec<(Tensor, Tensor)>) -> Result<f32, Box<dyn std::error::Error>> {

@@ -5,7 +5,7 @@ use crate::edit_distance;
 use crate::errors::Errors;
 use crate::values::{
     boolean, buffer_mode, grad_accum, positive_float, precision, project_dir, seconds, seed,
-    total_limit, zero_stage,
+    snapshot_every, total_limit, zero_stage,
 };
 use proc_macro2::{Literal, Span, TokenStream};
 use quote::{quote, quote_spanned};
@@ -27,6 +27,7 @@ pub(crate) const KEYS: &[&str] = &[
     "collective_timeout",
     "debug_sync",
     "async_checkpoints",
+    "snapshot_every",
     "zero",
     "buffers",
 ];
@@ -69,6 +70,7 @@ pub(crate) struct Config {
     pub collective_timeout: Option<Setting<f64>>,
     pub debug_sync: Option<Setting<bool>>,
     pub async_checkpoints: Option<Setting<bool>>,
+    pub snapshot_every: Option<Setting<u64>>,
     pub zero: Option<Setting<u8>>,
     pub buffers: Option<Setting<&'static str>>,
     /// The key names as written, for errors about the attribute as a whole.
@@ -136,6 +138,10 @@ impl Config {
         if let Some(s) = &self.async_checkpoints {
             let v = syn::LitBool::new(s.value, s.span);
             calls.extend(quote_spanned!(s.span=> .async_checkpoints(#v)));
+        }
+        if let Some(s) = &self.snapshot_every {
+            let v = spanned_lit(Literal::u64_unsuffixed(s.value), s.span);
+            calls.extend(quote_spanned!(s.span=> .snapshot_every(#v)));
         }
         if let Some(s) = &self.zero {
             let variant = syn::Ident::new(
@@ -245,6 +251,9 @@ pub(crate) fn parse(attr: TokenStream) -> Result<Config, syn::Error> {
             "async_checkpoints" => {
                 boolean(&key, value).map(|v| config.async_checkpoints = setting(v, span))
             }
+            "snapshot_every" => {
+                snapshot_every(value).map(|v| config.snapshot_every = setting(v, span))
+            }
             "zero" => zero_stage(value).map(|v| config.zero = setting(v, span)),
             "buffers" => buffer_mode(value).map(|v| config.buffers = setting(v, span)),
             _ => seed(value).map(|v| config.seed = setting(v, span)),
@@ -293,6 +302,7 @@ fn missing_value(path: &syn::Path) -> syn::Error {
         "collective_timeout" => "collective_timeout = 600",
         "debug_sync" => "debug_sync = true",
         "async_checkpoints" => "async_checkpoints = true",
+        "snapshot_every" => "snapshot_every = 10",
         "zero" => "zero = 2",
         "buffers" => "buffers = \"average\"",
         _ => return unknown_key(path, &key),
@@ -397,6 +407,20 @@ mod tests {
                 "`debug_sync` takes `true` or `false`"
             ]
         );
+    }
+
+    #[test]
+    fn snapshot_every_is_a_step_count_that_becomes_its_builder_call() {
+        let c = parse(quote!(snapshot_every = 5)).unwrap();
+        let calls = c.builder_calls().to_string();
+        assert!(calls.ends_with(". snapshot_every (5)"), "{calls}");
+        let errs = errors_of(quote!(snapshot_every = -1));
+        assert!(
+            errs[0].contains("whole number of optimizer steps"),
+            "{errs:?}"
+        );
+        let errs = errors_of(quote!(snapshot_every));
+        assert!(errs[0].contains("snapshot_every = 10"), "{errs:?}");
     }
 
     #[test]

@@ -215,6 +215,21 @@ pub(crate) fn total_limit(value: &Expr) -> syn::Result<usize> {
     }
 }
 
+pub(crate) fn snapshot_every(value: &Expr) -> syn::Result<u64> {
+    match literal(value) {
+        Some((Lit::Int(i), false)) if !i.base10_digits().starts_with('-') => {
+            i.base10_parse::<u64>().map_err(|_| {
+                syn::Error::new_spanned(value, "`snapshot_every` is too large for a step count")
+            })
+        }
+        _ => Err(syn::Error::new_spanned(
+            value,
+            "`snapshot_every` takes a whole number of optimizer steps (0: no snapshots), e.g. \
+             `snapshot_every = 10`",
+        )),
+    }
+}
+
 pub(crate) fn seed(value: &Expr) -> syn::Result<u64> {
     match literal(value) {
         Some((Lit::Int(i), false)) if !i.base10_digits().starts_with('-') => {

@@ -40,6 +40,9 @@ impl Accelerator {
         self.stop_if_agreed()?;
         self.report_frozen_once();
         let MicroStep { window, sync } = self.training.window().for_backward();
+        if sync {
+            self.commit_pending_snapshot()?;
+        }
         let scale = self.mixed.loss_scale();
         // Each micro-batch counts 1/window of its window's mean; the scale is undone after sync.
         let store = self.scaled_backward(loss, scale / window as f64)?;

@@ -31,6 +31,7 @@ pub struct AcceleratorBuilder {
     debug_sync: Option<bool>,
     async_checkpoints: bool,
     malloc_tuning: Option<bool>,
+    snapshot_every: Option<u64>,
 }
 
 impl AcceleratorBuilder {
@@ -66,6 +67,19 @@ impl AcceleratorBuilder {
     /// of the program's own is unaffected. See docs/performance.md.
     pub fn malloc_tuning(mut self, on: bool) -> Self {
         self.malloc_tuning = Some(on);
+        self
+    }
+
+    /// Keeps a snapshot of the training state in memory every `steps` optimizer steps (0 turns
+    /// it off, the default; also `IVME_SNAPSHOT_EVERY`), taken at the loop's
+    /// [`preemption_point`](Accelerator::preemption_point) and written in the background to a
+    /// folder in `/dev/shm` that `ivme launch` keeps across its restarts. After a crash,
+    /// `--max_restarts` and [`load_state_if_any`](Accelerator::load_state_if_any) resume from
+    /// the newest snapshot when it is newer than the newest checkpoint on disk, so a failure
+    /// costs at most `steps` steps. Needs `ivme launch` and every process on one machine;
+    /// otherwise it does nothing. See docs/faults.md.
+    pub fn snapshot_every(mut self, steps: u64) -> Self {
+        self.snapshot_every = Some(steps);
         self
     }
 
@@ -242,6 +256,17 @@ impl AcceleratorBuilder {
         };
 
         let preempt = crate::setup::preempt::PreemptSettings::read(|k| std::env::var(k).ok())?;
+        let snapshot_every = match (self.snapshot_every, env::SNAPSHOT_EVERY.get()) {
+            (Some(k), _) => k,
+            (None, None) => 0,
+            (None, Some(raw)) => raw.parse::<u64>().map_err(|_| {
+                Error::config(
+                    env::SNAPSHOT_EVERY.name,
+                    &raw,
+                    "use a whole number of optimizer steps, or 0 to turn snapshots off",
+                )
+            })?,
+        };
         let layout = EnvLayout::from_env()?;
         let (rank, world, local_rank, local_world) = match layout {
             Some(l) => (l.rank, l.world_size, l.local_rank, l.local_world_size),
@@ -281,6 +306,7 @@ impl AcceleratorBuilder {
         // After the communicator opened, so that no MPI set-up replaces the handlers.
         crate::setup::preempt::install(&preempt);
         let seed = self.seed.unwrap_or(0);
+        let snapshots = super::snapshots::snapshots_of(snapshot_every, &state);
         Ok(Accelerator {
             state,
             comm: Counted::new(comm),
@@ -294,7 +320,8 @@ impl AcceleratorBuilder {
             mixed: crate::precision::MixedPrecision::new(precision, self.initial_loss_scale),
             training: crate::train::training::Training::new(grad_accum),
             data: crate::data::DataProgress::new(seed, rank),
-            checkpoints: crate::checkpoint::Checkpointing::new(project, self.async_checkpoints),
+            checkpoints: crate::checkpoint::Checkpointing::new(project, self.async_checkpoints)
+                .with_snapshots(snapshots),
             trackers: Shared::new(None),
             finetune: Default::default(),
             preempt: Default::default(),

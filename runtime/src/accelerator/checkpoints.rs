@@ -391,7 +391,7 @@ impl Accelerator {
                 self.load_checked(&dir)?;
                 dir
             }
-            (None, Some(p)) => match self.load_newest(&p.checkpoints_dir())? {
+            (None, Some(p)) => match self.load_newest(&[p.checkpoints_dir()])? {
                 Newest::Loaded(dir) => dir,
                 Newest::Empty => {
                     return Err(Error::checkpoint(
@@ -470,7 +470,9 @@ impl Accelerator {
                     .into(),
             ));
         };
-        match self.load_newest(&project.checkpoints_dir())? {
+        // In-memory snapshots (snapshot_every) count too: the newest step wins.
+        let folders = self.resume_folders(project.checkpoints_dir());
+        match self.load_newest(&folders)? {
             Newest::Loaded(dir) => Ok(Some(dir)),
             Newest::Empty => Ok(None),
             Newest::NoneSound(n, newest) => Err(Error::checkpoint(

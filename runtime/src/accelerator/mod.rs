@@ -33,6 +33,7 @@ mod preempt;
 pub mod prepare;
 mod reshard;
 mod restore;
+mod snapshots;
 mod tools;
 
 /// The entry point: knows the distributed setup and drives gradients, precision and data.

@@ -13,16 +13,16 @@ use crate::checkpoint::plan::{skip, Newest, DAMAGED, FAILED, READY};
 use crate::checkpoint::project::newest_first;
 use crate::checkpoint::store::verify_listing;
 use crate::error::{Error, Result};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 impl Accelerator {
-    /// Loads the newest checkpoint of `checkpoints_dir` whose every file matches its
-    /// manifest, skipping damaged newer ones with a warning. Every rank must call it.
-    pub(crate) fn load_newest(&mut self, checkpoints_dir: &Path) -> Result<Newest> {
+    /// Loads the newest checkpoint of `folders` (by the optimizer step its manifest records;
+    /// the first folder's on a tie) whose every file matches its manifest, skipping damaged
+    /// newer ones with a warning. Every rank must call it.
+    pub(crate) fn load_newest(&mut self, folders: &[PathBuf]) -> Result<Newest> {
         let main = self.is_main_process();
         let candidates = if main {
-            self.recover_for_load(checkpoints_dir);
-            newest_first(checkpoints_dir)
+            candidates(folders, |dir| self.recover_for_load(dir))
         } else {
             Ok(Vec::new())
         };
@@ -102,4 +102,23 @@ impl Accelerator {
             (_, Err(_)) => Newest::Empty,
         })
     }
+}
+
+/// Every checkpoint of `folders`, newest step first (the earlier folder's first on a tie);
+/// `recover` runs on each folder before it is listed.
+fn candidates(folders: &[PathBuf], recover: impl Fn(&Path)) -> Result<Vec<PathBuf>> {
+    let mut all: Vec<(u64, PathBuf)> = Vec::new();
+    for folder in folders {
+        recover(folder);
+        for dir in newest_first(folder)? {
+            // An unreadable manifest sorts last; the listing check then skips it.
+            let step = crate::checkpoint::store::read_manifest(&dir).map_or(0, |m| m.step);
+            all.push((step, dir));
+        }
+    }
+    if folders.len() > 1 {
+        // Stable: a tie keeps the earlier folder's checkpoint first.
+        all.sort_by_key(|(step, _)| std::cmp::Reverse(*step));
+    }
+    Ok(all.into_iter().map(|(_, d)| d).collect())
 }

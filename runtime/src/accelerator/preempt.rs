@@ -25,7 +25,9 @@ impl Accelerator {
     /// [`Error::Preempted`], which ends the loop through `?`. `ivme launch` then exits with
     /// its requeue code (75 unless `IVME_REQUEUE_EXIT_CODE`), and a restarted run that calls
     /// [`load_state_if_any`](Self::load_state_if_any) continues from that step exactly.
-    /// `#[accelerate]` calls it at the end of the batch loop's body.
+    /// `#[accelerate]` calls it at the end of the batch loop's body. It is also where the
+    /// in-memory snapshots of [`snapshot_every`](crate::AcceleratorBuilder::snapshot_every)
+    /// are taken.
     ///
     /// ```no_run
     /// # fn main() -> ivme::Result<()> {
@@ -42,7 +44,7 @@ impl Accelerator {
             return Err(stopped.error());
         }
         if !self.preempt.agreed {
-            return Ok(());
+            return self.snapshot_if_due();
         }
         let step = self.optimizer_steps();
         let automatic = self

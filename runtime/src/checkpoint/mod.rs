@@ -16,6 +16,8 @@
 //!   [`merge_weights`] turns any layout into a Hugging Face model folder.
 //!
 //! - `plan`: what a load has found and will apply, checked before anything changes.
+//! - `snapshots`: in-memory snapshots every few steps, which a restart resumes from when they
+//!   are newer than the newest checkpoint on disk.
 //!
 //! These are storage and protocol over tensors, JSON and paths: no file here imports the
 //! [`Accelerator`](crate::Accelerator). The facade (`accelerator/checkpoints.rs`, `restore.rs`,
@@ -40,6 +42,7 @@ mod parts;
 pub(crate) mod plan;
 pub mod project;
 pub(crate) mod read;
+pub(crate) mod snapshots;
 pub(crate) use parts::Checkpointing;
 pub mod staging;
 pub mod store;

@@ -17,6 +17,7 @@ pub(crate) struct Checkpointing {
     locks: Vec<FolderLock>,
     background: BackgroundSaves,
     registered: Vec<Box<dyn Stateful>>,
+    snapshots: super::snapshots::Snapshots,
 }
 
 impl Checkpointing {
@@ -27,7 +28,24 @@ impl Checkpointing {
             locks: Vec::new(),
             background: BackgroundSaves::new(async_saves),
             registered: Vec::new(),
+            snapshots: Default::default(),
         }
+    }
+
+    /// Takes in-memory snapshots as `snapshots` says.
+    pub(crate) fn with_snapshots(mut self, snapshots: super::snapshots::Snapshots) -> Self {
+        self.snapshots = snapshots;
+        self
+    }
+
+    /// When and where in-memory snapshots are taken.
+    pub(crate) fn snapshots(&self) -> &super::snapshots::Snapshots {
+        &self.snapshots
+    }
+
+    /// The same, to record a snapshot taken.
+    pub(crate) fn snapshots_mut(&mut self) -> &mut super::snapshots::Snapshots {
+        &mut self.snapshots
     }
 
     /// The project configuration, if one was set.

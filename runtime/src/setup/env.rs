@@ -192,6 +192,20 @@ pub const REQUEUE_EXIT_CODE: Var = Var {
     values: "1 to 255 (default 75)",
     meaning: "the exit code of `ivme launch` when the job stopped for a preemption, for a scheduler to requeue on",
 };
+/// The interval of in-memory snapshots.
+pub const SNAPSHOT_EVERY: Var = Var {
+    name: "IVME_SNAPSHOT_EVERY",
+    set_by: SetBy::User,
+    values: "a whole number of optimizer steps (0, the default: off)",
+    meaning: "keep a snapshot of the training state in memory every N optimizer steps; a restart by `ivme launch --max_restarts` resumes from it when it is newer than the newest checkpoint (docs/faults.md)",
+};
+/// Where in-memory snapshots go.
+pub const SNAPSHOT_DIR: Var = Var {
+    name: "IVME_SNAPSHOT_DIR",
+    set_by: SetBy::Launcher,
+    values: "a path, in /dev/shm where there is one",
+    meaning: "the folder in which the ranks of one `ivme launch` keep their in-memory snapshots across restarts; removed when the launcher ends",
+};
 
 /// Every variable of the contract, in the order docs/launch.md lists them.
 pub const VARS: &[Var] = &[
@@ -216,6 +230,8 @@ pub const VARS: &[Var] = &[
     PREEMPT_SIGNALS,
     PREEMPT_GRACE,
     REQUEUE_EXIT_CODE,
+    SNAPSHOT_EVERY,
+    SNAPSHOT_DIR,
 ];
 
 /// The MPI launchers' variables a process reads its place from: rank, world size, local rank
