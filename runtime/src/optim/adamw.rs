@@ -66,10 +66,23 @@ impl Optimizer for AdamW {
         let scale_m = 1f64 / (1f64 - p.beta1.powi(t));
         let scale_v = 1f64 / (1f64 - p.beta2.powi(t));
         let decay = 1f64 - lr * p.weight_decay;
+        let fused =
+            super::fused::AdamWStep::new(p.beta1, p.beta2, scale_m, scale_v, p.eps, decay, lr);
         for (var, (m, v)) in self.vars.iter().zip(&self.moments) {
             let Some(grad) = grads.get(var) else {
                 continue;
             };
+            let (theta_t, m_t, v_t) = (var.as_tensor(), m.as_tensor(), v.as_tensor());
+            if super::fused::enabled()
+                && [theta_t, m_t, v_t, grad]
+                    .iter()
+                    .all(|t| super::fused::fits(t))
+                && grad.shape() == theta_t.shape()
+            {
+                // One pass in place; the same numbers as the ops below.
+                super::fused::adamw(theta_t, m_t, v_t, grad, fused)?;
+                continue;
+            }
             let theta = to_f32(var.as_tensor())?;
             let g = to_f32(grad)?;
             let next_m = ((m.as_tensor() * p.beta1)? + (&g * (1.0 - p.beta1))?)?;

@@ -8,6 +8,7 @@
 pub(crate) mod accelerated;
 pub mod adamw;
 pub mod any;
+mod fused;
 pub mod schedule;
 mod scheduler;
 pub mod sgd;
