@@ -165,6 +165,79 @@ pub(crate) fn adamw(
     })
 }
 
+/// The constants of one SGD step, rounded to f32 as candle's scalar ops round them.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SgdStep {
+    pub weight_decay: Option<f32>,
+    pub momentum: f32,
+    pub one_minus_dampening: f32,
+    pub nesterov: bool,
+    pub lr: f32,
+}
+
+impl SgdStep {
+    /// One element, in the op-by-op path's order; `buf` is the momentum buffer (when momentum
+    /// is on; it already holds a value).
+    #[inline(always)]
+    fn apply(&self, theta: &mut f32, buf: Option<&mut f32>, g: f32) {
+        let mut g = match self.weight_decay {
+            Some(wd) => g + (*theta * wd + 0.0),
+            None => g,
+        };
+        if let Some(buf) = buf {
+            let next = (*buf * self.momentum + 0.0) + (g * self.one_minus_dampening + 0.0);
+            *buf = next;
+            g = if self.nesterov {
+                g + (next * self.momentum + 0.0)
+            } else {
+                next
+            };
+        }
+        *theta -= g * self.lr + 0.0;
+    }
+}
+
+/// Updates `theta` (and its momentum buffer `buf`, which already holds a value) from `grad` in
+/// one pass (every tensor must [`fit`](fits) and have as many elements).
+pub(crate) fn sgd(
+    theta: &Tensor,
+    buf: Option<&Tensor>,
+    grad: &Tensor,
+    step: SgdStep,
+) -> candle_core::Result<()> {
+    with_ref(grad, |g| {
+        let update = |th: &mut [f32], buf: Option<&mut [f32]>| {
+            if th.len() != g.len() || buf.as_ref().is_some_and(|b| b.len() != g.len()) {
+                candle_core::bail!("the fused SGD update got tensors of other sizes");
+            }
+            match buf {
+                Some(buf) => th
+                    .par_chunks_mut(CHUNK)
+                    .zip(buf.par_chunks_mut(CHUNK))
+                    .zip(g.par_chunks(CHUNK))
+                    .for_each(|((th, buf), g)| {
+                        for i in 0..th.len() {
+                            step.apply(&mut th[i], Some(&mut buf[i]), g[i]);
+                        }
+                    }),
+                None => th
+                    .par_chunks_mut(CHUNK)
+                    .zip(g.par_chunks(CHUNK))
+                    .for_each(|(th, g)| {
+                        for i in 0..th.len() {
+                            step.apply(&mut th[i], None, g[i]);
+                        }
+                    }),
+            }
+            Ok(())
+        };
+        match buf {
+            Some(buf) => with_mut(buf, |b| with_mut(theta, |th| update(th, Some(b)))),
+            None => with_mut(theta, |th| update(th, None)),
+        }
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -210,6 +283,54 @@ mod tests {
                         .collect())
                 };
                 assert!(bits(o)? == bits(t)?, "step {step}: the weights differ");
+            }
+        }
+        Ok(())
+    }
+
+    /// SGD with weight decay, momentum and dampening (plain and Nesterov) through the fused
+    /// pass, against the same update written with candle's tensor ops, bit for bit.
+    #[test]
+    fn the_fused_sgd_step_is_the_op_by_op_step_bit_for_bit() -> crate::Result<()> {
+        use crate::optim::{ParamsSgd, Sgd};
+        for nesterov in [false, true] {
+            let mut rng = Rng::new(6);
+            let n = 2 * CHUNK + 5;
+            let init = rng.randn(0.0, 1.0, n, &Device::Cpu)?;
+            let w = Var::from_tensor(&init)?;
+            let p = ParamsSgd {
+                lr: 0.05,
+                momentum: 0.9,
+                // Nesterov needs no dampening.
+                dampening: if nesterov { 0.0 } else { 0.1 },
+                weight_decay: 0.01,
+                nesterov,
+            };
+            let mut opt = Sgd::new(vec![w.clone()], p)?;
+            let (mut theta, mut buf): (Tensor, Option<Tensor>) = (init.copy()?, None);
+            for step in 0..4 {
+                let x = rng.randn(0.0, 1.0, n, &Device::Cpu)?;
+                opt.backward_step(&(w.as_tensor() * &x)?.sum_all()?)?;
+                // The reference: candle's ops in the optimizer's order.
+                let g = (&x + (&theta * p.weight_decay)?)?;
+                let b = match &buf {
+                    Some(b) => ((b * p.momentum)? + (&g * (1.0 - p.dampening))?)?,
+                    None => g.clone(),
+                };
+                let g = if nesterov {
+                    (&g + (&b * p.momentum)?)?
+                } else {
+                    b.clone()
+                };
+                buf = Some(b);
+                theta = theta.sub(&(g * p.lr)?)?;
+                let bits = |t: &Tensor| -> candle_core::Result<Vec<u32>> {
+                    Ok(t.to_vec1::<f32>()?.iter().map(|f| f.to_bits()).collect())
+                };
+                assert!(
+                    bits(w.as_tensor())? == bits(&theta)?,
+                    "nesterov {nesterov}, step {step}: the weights differ"
+                );
             }
         }
         Ok(())

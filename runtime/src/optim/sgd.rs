@@ -86,10 +86,35 @@ impl Optimizer for Sgd {
         self.link.record_step();
         let lr = self.link.lr();
         let p = self.params;
+        let fused = super::fused::SgdStep {
+            weight_decay: (p.weight_decay != 0.0).then_some(p.weight_decay as f32),
+            momentum: p.momentum as f32,
+            one_minus_dampening: (1.0 - p.dampening) as f32,
+            nesterov: p.nesterov,
+            lr: lr as f32,
+        };
         for (var, buffer) in self.vars.iter().zip(self.buffers.iter_mut()) {
             let Some(grad) = grads.get(var) else {
                 continue;
             };
+            // One pass in place once the momentum buffer exists (or without momentum); the
+            // same numbers as the ops below.
+            let buf = buffer.as_ref().map(|b| b.as_tensor());
+            if super::fused::enabled()
+                && (p.momentum == 0.0 || buf.is_some())
+                && super::fused::fits(var.as_tensor())
+                && super::fused::fits(grad)
+                && buf.is_none_or(super::fused::fits)
+                && grad.shape() == var.shape()
+            {
+                super::fused::sgd(
+                    var.as_tensor(),
+                    buf.filter(|_| p.momentum != 0.0),
+                    grad,
+                    fused,
+                )?;
+                continue;
+            }
             let theta = to_f32(var.as_tensor())?;
             let mut g = to_f32(grad)?;
             if p.weight_decay != 0.0 {
