@@ -224,14 +224,29 @@ fn a_preempted_job_saves_at_the_step_the_ranks_agree_on_and_resumes_bit_for_bit(
 
 #[test]
 fn a_loop_without_a_preemption_point_stops_at_its_next_backward_and_says_nothing_was_saved() {
+    // Also the launcher's flags: another signal, another exit code.
     let dir = Scratch::new("preempt-no-point");
     let (project, out) = (dir.0.join("project"), dir.0.join("out"));
-    let job = restartable(2, &project, &out, &["step_ms=25", "point=0"]);
+    let mut args = words(&[
+        "--num_processes",
+        "2",
+        "--cpu",
+        "--preempt_signals",
+        "USR2",
+        "--requeue_exit_code",
+        "99",
+    ]);
+    args.push(example_bin("restartable").display().to_string());
+    args.push(project.display().to_string());
+    args.push(out.display().to_string());
+    args.extend(words(RUN));
+    args.extend(words(&["step_ms=25", "point=0"]));
+    let job = Job::start(&args, &[]);
     pids(&out, 2, &job);
     std::thread::sleep(Duration::from_millis(300));
-    send("TERM", job.pid());
+    send("USR2", job.pid());
     let end = job.wait();
-    assert_eq!(end.status.code(), Some(REQUEUE), "{}", end.show());
+    assert_eq!(end.status.code(), Some(99), "{}", end.show());
     assert!(
         end.stderr.contains("without saving") && end.stderr.contains("no preemption point"),
         "{}",

@@ -27,6 +27,9 @@ const EXAMPLES: &[(&str, &str)] = &[
     ("buffers", "average"),
     ("max_restarts", "3"),
     ("collective_timeout", "10m"),
+    ("preempt_signals", "TERM,USR1"),
+    ("preempt_grace", "60s"),
+    ("requeue_exit_code", "75"),
     ("config_file", "ivme.toml"),
     ("max_shard_size", "2GB"),
     ("dtype", "bf16"),
@@ -290,6 +293,28 @@ pub fn duration(flag: &str, raw: &str, ex: &str) -> std::result::Result<Duration
             ivme::env::DURATION_FORMS
         )
     })
+}
+
+/// Signals taken as a preemption (`TERM,USR1`, `none`), as the ranks read them.
+pub fn signals(flag: &str, raw: &str, ex: &str) -> std::result::Result<String, String> {
+    ivme::preempt::parse_signals(raw)
+        .map(|_| raw.trim().to_string())
+        .map_err(|_| {
+            format!(
+                "`{flag} {raw}` is not a list of signals; use names from TERM, USR1, USR2, HUP \
+                 and INT separated by commas, e.g. `{flag} {ex}`, or `{flag} none`"
+            )
+        })
+}
+
+/// A process exit code from 1 to 255.
+pub fn exit_code(flag: &str, raw: &str, ex: &str) -> std::result::Result<u8, String> {
+    match raw.trim().parse::<u8>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err(format!(
+            "`{flag} {raw}` is not an exit code; use 1 to 255, e.g. `{flag} {ex}`"
+        )),
+    }
 }
 
 /// A compute precision (`no`, `fp16`, `bf16`).

@@ -62,6 +62,15 @@ struct Flags {
     /// check that the ranks call the same collectives in the same order (IVME_DEBUG_SYNC=1)
     #[arg(long, value_name = cli::SWITCH)]
     debug_sync: Option<bool>,
+    /// signals that stop the job for a preemption (default TERM,USR1; none), IVME_PREEMPT_SIGNALS
+    #[arg(long, value_name = "list", value_parser = Checked(cli::signals))]
+    preempt_signals: Option<String>,
+    /// how long a preempted rank may take to stop and save (default 25s), IVME_PREEMPT_GRACE
+    #[arg(long, value_name = "duration", value_parser = Checked(cli::duration))]
+    preempt_grace: Option<Duration>,
+    /// the launcher's exit code after a preemption, for a scheduler to requeue on (default 75)
+    #[arg(long, value_name = "code", value_parser = Checked(cli::exit_code))]
+    requeue_exit_code: Option<u8>,
     /// the config file to read (default: $IVME_CONFIG, else ~/.config/ivme/default_config.toml)
     #[arg(long, value_name = "file", value_parser = Checked(cli::text))]
     config_file: Option<String>,
@@ -93,9 +102,9 @@ fn notes() -> String {
          times (never after Ctrl-C), and each rank sees IVME_RESTART_COUNT (0 at first), so a\n\
          program that calls `load_state_if_any` right after preparing continues from its newest\n\
          checkpoint.\n\
-         \nA SIGTERM or SIGUSR1 to the launcher is a preemption (IVME_PREEMPT_SIGNALS): it reaches\n\
+         \nA SIGTERM or SIGUSR1 to the launcher is a preemption (--preempt_signals): it reaches\n\
          every rank as SIGUSR1, the ranks stop after the optimizer step they agree on, save at\n\
-         their preemption point, and the launcher exits with 75 (IVME_REQUEUE_EXIT_CODE) for a\n\
+         their preemption point, and the launcher exits with 75 (--requeue_exit_code) for a\n\
          scheduler to requeue on; never restarted.",
         mpirun::MPIRUN_VAR
     )
@@ -142,6 +151,9 @@ impl LaunchArgs {
             max_restarts: f.max_restarts,
             collective_timeout: f.collective_timeout,
             debug_sync: f.debug_sync,
+            preempt_signals: f.preempt_signals,
+            preempt_grace: f.preempt_grace,
+            requeue_exit_code: f.requeue_exit_code,
             ..Settings::default()
         };
         let mut command = f.command.into_iter();

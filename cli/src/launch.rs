@@ -85,8 +85,13 @@ pub fn main(words: &[String]) -> Result<i32> {
         print!("{}", report::secondary_message(&plan));
         return Ok(0);
     }
-    let preempt = ivme::preempt::PreemptSettings::read(lookup)?;
-    let requeue = ivme::preempt::requeue_exit_code(lookup)?;
+    // The flags, the environment or the defaults, as the plan resolved them.
+    let preempt = ivme::preempt::PreemptSettings::read(|k| match k {
+        k if k == ivme::env::PREEMPT_SIGNALS.name => plan.preempt_signals.clone(),
+        k if k == ivme::env::PREEMPT_GRACE.name => plan.preempt_grace.map(ivme::env::seconds_text),
+        _ => None,
+    })?;
+    let requeue = i32::from(plan.requeue_exit_code);
     let preempt = Preemption {
         supervise: process::Preempt {
             signals: preempt.signals,

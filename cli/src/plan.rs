@@ -49,6 +49,12 @@ pub struct LaunchPlan {
     pub collective_timeout: Option<Duration>,
     /// Whether the ranks check that they call the same collectives.
     pub debug_sync: bool,
+    /// The signals taken as a preemption, when given.
+    pub preempt_signals: Option<String>,
+    /// How long a preempted rank may take to stop, when given.
+    pub preempt_grace: Option<Duration>,
+    /// The launcher's exit code after a preemption.
+    pub requeue_exit_code: u8,
     /// The program's absolute path.
     pub program: PathBuf,
     /// The program's arguments.
@@ -86,6 +92,11 @@ impl LaunchPlan {
             max_restarts: s.max_restarts.unwrap_or(0),
             collective_timeout: s.collective_timeout,
             debug_sync: s.debug_sync.unwrap_or(false),
+            preempt_signals: s.preempt_signals,
+            preempt_grace: s.preempt_grace,
+            requeue_exit_code: s
+                .requeue_exit_code
+                .unwrap_or(ivme::preempt::DEFAULT_REQUEUE_EXIT_CODE as u8),
             program: process::find_executable(&program, path_var)?,
             program_args: args.program_args,
             dry_run: args.dry_run,
@@ -170,6 +181,12 @@ impl LaunchPlan {
         }
         if self.debug_sync {
             ours.push((env::DEBUG_SYNC.name.into(), "1".into()));
+        }
+        if let Some(s) = &self.preempt_signals {
+            ours.push((env::PREEMPT_SIGNALS.name.into(), s.clone()));
+        }
+        if let Some(t) = self.preempt_grace {
+            ours.push((env::PREEMPT_GRACE.name.into(), env::seconds_text(t)));
         }
         if user_rayon.is_none() {
             let threads = (machine.cores / self.processes_per_machine()).max(1);

@@ -445,3 +445,44 @@ fn fault_settings_reach_every_rank_and_each_attempt_is_counted() {
     // A single process, run directly, is counted too.
     assert_eq!(get(&env, "IVME_RESTART_COUNT"), Some("0"));
 }
+
+#[test]
+fn preemption_flags_reach_the_ranks_and_the_launchers_exit_code() {
+    let p = plan(&[
+        "--num_processes",
+        "2",
+        "--preempt-signals",
+        "USR2,TERM",
+        "--preempt_grace",
+        "90s",
+        "--requeue_exit_code",
+        "99",
+        "sh",
+    ]);
+    assert_eq!(p.preempt_signals.as_deref(), Some("USR2,TERM"));
+    assert_eq!(p.preempt_grace, Some(Duration::from_secs(90)));
+    assert_eq!(p.requeue_exit_code, 99);
+    let env = p.env(&TWO_CORES_ROOT, 0, &[]);
+    assert_eq!(get(&env, "IVME_PREEMPT_SIGNALS"), Some("USR2,TERM"));
+    assert_eq!(get(&env, "IVME_PREEMPT_GRACE"), Some("90"));
+    // The exit code is the launcher's own: the ranks are not told.
+    assert_eq!(get(&env, "IVME_REQUEUE_EXIT_CODE"), None);
+    let p = plan(&["sh"]);
+    assert_eq!(
+        (p.preempt_signals.as_deref(), p.requeue_exit_code),
+        (None, 75)
+    );
+    let msg = |w: &[&str]| LaunchArgs::parse(&words(w)).unwrap_err().to_string();
+    let m = msg(&["--preempt_signals", "TERM,KILL", "prog"]);
+    assert!(
+        m.contains("is not a list of signals") && m.contains("none"),
+        "{m}"
+    );
+    let m = msg(&["--requeue_exit_code", "0", "prog"]);
+    assert!(
+        m.contains("`--requeue_exit_code 0` is not an exit code"),
+        "{m}"
+    );
+    let m = msg(&["--preempt_grace", "soon", "prog"]);
+    assert!(m.contains("is not a duration"), "{m}");
+}

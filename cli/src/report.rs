@@ -44,6 +44,15 @@ pub fn describe_settings(plan: &LaunchPlan) -> String {
                 .collective_timeout
                 .map_or("-".into(), |t| format!("{}s", ivme::env::seconds_text(t))),
             "debug_sync" => plan.debug_sync.to_string(),
+            "preempt_signals" => plan
+                .preempt_signals
+                .clone()
+                .unwrap_or_else(|| ivme::preempt::DEFAULT_SIGNALS.into()),
+            "preempt_grace" => format!(
+                "{}s",
+                ivme::env::seconds_text(plan.preempt_grace.unwrap_or(ivme::preempt::DEFAULT_GRACE))
+            ),
+            "requeue_exit_code" => plan.requeue_exit_code.to_string(),
             _ => "?".into(),
         }
     };

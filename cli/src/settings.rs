@@ -75,6 +75,12 @@ pub struct Settings {
     pub collective_timeout: Option<std::time::Duration>,
     /// Whether the ranks compare their collectives (a flag or `IVME_DEBUG_SYNC`; no file key).
     pub debug_sync: Option<bool>,
+    /// The signals taken as a preemption (a flag or `IVME_PREEMPT_SIGNALS`; no file key).
+    pub preempt_signals: Option<String>,
+    /// How long a preempted rank may take (a flag or `IVME_PREEMPT_GRACE`; no file key).
+    pub preempt_grace: Option<std::time::Duration>,
+    /// The launcher's exit code after a preemption (a flag or `IVME_REQUEUE_EXIT_CODE`).
+    pub requeue_exit_code: Option<u8>,
 }
 
 /// Where the config file in use was found, and why there.

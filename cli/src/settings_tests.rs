@@ -27,8 +27,8 @@ fn a_written_config_reads_back_the_same() {
         hosts: Some(vec!["10.0.0.1".into(), "node \"2\"".replace(' ', "_")]),
         hostfile: None,
         max_restarts: Some(3),
-        collective_timeout: None,
-        debug_sync: None,
+        // Flag- and environment-only settings: no file key.
+        ..Settings::default()
     };
     assert_eq!(parse(&c.to_toml()).unwrap(), c);
     assert_eq!(

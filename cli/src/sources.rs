@@ -62,7 +62,7 @@ macro_rules! show_display {
         }
     )+};
 }
-show_display!(usize, u16, bool, Precision, Sharding, BufferSync, String);
+show_display!(usize, u8, u16, bool, Precision, Sharding, BufferSync, String);
 
 impl Show for PathBuf {
     fn show(&self) -> String {
@@ -173,6 +173,24 @@ fn from_env(inherited: &[(String, String)]) -> Result<Settings> {
             env::parse_bool,
             env::DEBUG_SYNC.values,
         )?,
+        preempt_signals: env_value(
+            inherited,
+            env::PREEMPT_SIGNALS.name,
+            |s| ivme::preempt::parse_signals(s).ok().map(|_| s.to_string()),
+            env::PREEMPT_SIGNALS.values,
+        )?,
+        preempt_grace: env_value(
+            inherited,
+            env::PREEMPT_GRACE.name,
+            env::parse_duration,
+            env::DURATION_FORMS,
+        )?,
+        requeue_exit_code: env_value(
+            inherited,
+            env::REQUEUE_EXIT_CODE.name,
+            |s| s.parse::<u8>().ok().filter(|&c| c >= 1),
+            env::REQUEUE_EXIT_CODE.values,
+        )?,
         ..Settings::default()
     })
 }
@@ -187,6 +205,9 @@ fn env_name(key: &str) -> &'static str {
         "gradient_accumulation_steps" => env::GRAD_ACCUM.name,
         "collective_timeout" => env::COLLECTIVE_TIMEOUT.name,
         "debug_sync" => env::DEBUG_SYNC.name,
+        "preempt_signals" => env::PREEMPT_SIGNALS.name,
+        "preempt_grace" => env::PREEMPT_GRACE.name,
+        "requeue_exit_code" => env::REQUEUE_EXIT_CODE.name,
         _ => "",
     }
 }
@@ -237,6 +258,9 @@ pub fn merge(
         max_restarts,
         collective_timeout,
         debug_sync,
+        preempt_signals,
+        preempt_grace,
+        requeue_exit_code,
         backend,
     );
     Ok((LaunchArgs { settings, ..flags }, o))
@@ -291,6 +315,37 @@ mod tests {
             "config file /cfg.toml"
         );
         assert_eq!(origin(&o, "main_process_port").from, From::Default);
+    }
+
+    #[test]
+    fn preemption_settings_come_from_flags_or_the_environment_and_bad_ones_stop_the_launch() {
+        let flags = LaunchArgs {
+            settings: Settings {
+                requeue_exit_code: Some(9),
+                ..Settings::default()
+            },
+            ..LaunchArgs::default()
+        };
+        let inherited = env(&[
+            ("IVME_PREEMPT_SIGNALS", "USR2"),
+            ("IVME_REQUEUE_EXIT_CODE", "3"),
+        ]);
+        let (a, o) = merge(flags, None, &inherited).unwrap();
+        assert_eq!(a.settings.preempt_signals.as_deref(), Some("USR2"));
+        assert_eq!(a.settings.requeue_exit_code, Some(9));
+        assert_eq!(
+            origin(&o, "preempt_signals").from,
+            From::Env("IVME_PREEMPT_SIGNALS")
+        );
+        assert_eq!(origin(&o, "requeue_exit_code").from, From::Flag);
+        let e = merge(
+            LaunchArgs::default(),
+            None,
+            &env(&[("IVME_PREEMPT_SIGNALS", "STOP")]),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("IVME_PREEMPT_SIGNALS"), "{e}");
     }
 
     #[test]
