@@ -10,7 +10,7 @@
 //! ```
 //!
 //! Arguments: `PROJECT_DIR OUT_DIR [epochs=3] [save_every=4] [hold_ms=0] [step_ms=0] [async=0]
-//! [point=1]`. The model is a plain
+//! [point=1] [ballast_mb=0]`. The model is a plain
 //! candle-nn `linear` layer, trained with ivme's `AdamW` on a shuffled `TensorDataset`; state
 //! is saved under `PROJECT_DIR/checkpoints` every `save_every` optimizer steps. At the end rank 0
 //! writes `OUT_DIR/params.json`: the final weights by name, the attempt (`IVME_RESTART_COUNT`)
@@ -21,7 +21,8 @@
 //! that long after preparing, with MPI up, and first writes `OUT_DIR/ready-rank{R}`, so a test
 //! can look at the running job. `step_ms=MS` makes each micro-batch take that much longer (a
 //! slower model), so a test can signal the job mid-run; `async=1` saves in the background;
-//! `point=0` leaves out the loop's preemption point.
+//! `point=0` leaves out the loop's preemption point; `ballast_mb=N` adds an N MB variable the
+//! loss never reaches, so the state to save and load is about 3 × N MB larger.
 //!
 //! A preemption (SIGTERM or SIGUSR1 to `ivme launch` or to a rank) stops the loop at the
 //! `preemption_point` after the optimizer step every rank agreed on: the state is saved there
@@ -63,6 +64,7 @@ struct Args {
     step_ms: u64,
     async_saves: bool,
     point: bool,
+    ballast_mb: u64,
 }
 
 impl Args {
@@ -70,7 +72,7 @@ impl Args {
         let usage = || {
             Error::Usage(
                 "usage: restartable PROJECT_DIR OUT_DIR [epochs=N] [save_every=K] [hold_ms=MS] \
-                 [step_ms=MS] [async=0|1] [point=0|1]"
+                 [step_ms=MS] [async=0|1] [point=0|1] [ballast_mb=N]"
                     .into(),
             )
         };
@@ -87,6 +89,7 @@ impl Args {
             step_ms: 0,
             async_saves: false,
             point: true,
+            ballast_mb: 0,
         };
         for word in settings {
             let (key, value) = word.split_once('=').ok_or_else(usage)?;
@@ -98,6 +101,7 @@ impl Args {
                 "step_ms" => args.step_ms = value,
                 "async" => args.async_saves = value != 0,
                 "point" => args.point = value != 0,
+                "ballast_mb" => args.ballast_mb = value,
                 _ => return Err(usage()),
             }
         }
@@ -127,6 +131,12 @@ fn main() -> ivme::Result<()> {
     let outputs = env_number("IVME_TEST_OUT_FEATURES").unwrap_or(2) as usize;
     let model = linear(4, outputs, vb.pp("linear"))?;
     // candle's own initialisation draws from a thread RNG; seeded weights make runs comparable.
+    if args.ballast_mb > 0 {
+        // A variable the loss never reaches: its weights and AdamW moments only make the
+        // state to save, snapshot and load larger (3 × ballast_mb MB in all).
+        let n = (args.ballast_mb as usize) << 18;
+        vb.get_with_hints(n, "ballast", candle_nn::Init::Const(0.5))?;
+    }
     init_weights(&varmap, 3)?;
     let loader = DataLoader::new(dataset(48)?, 4).shuffle(true).seed(7);
     let (varmap, mut loader) = acc.prepare((varmap, loader))?;
