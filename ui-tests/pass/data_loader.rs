@@ -16,7 +16,8 @@ fn train(x: Tensor, y: Tensor) -> candle_core::Result<()> {
     let varmap = VarMap::new();
     let model = linear(3, 1, VarBuilder::from_varmap(&varmap, DType::F32, &device))?;
     let mut opt = Sgd::new(varmap.all_vars(), ParamsSgd::default())?;
-    let mut loader = DataLoader::new(TensorDataset::new((x, y))?, 8);
+    // Built ahead on a background thread: prepared first, then `.prefetch` on the result.
+    let mut loader = DataLoader::new(TensorDataset::new((x, y))?, 8).prefetch(2);
     for _epoch in 0..2 {
         for batch in loader.iter() {
             let (xb, yb) = batch?;

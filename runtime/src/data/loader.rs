@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use candle_core::Device;
 
+use super::prefetch::{FetchAhead, Workers};
 use super::sampler::{self, PlannedBatch};
 use super::{Dataset, LoaderPosition, StepObserver};
 use crate::stateful::Shared;
@@ -57,6 +58,12 @@ pub struct DataLoader<D: Dataset> {
     last_padding: usize,
     /// This rank's plan for `epoch`; cleared whenever anything it depends on changes.
     plan: Option<Vec<PlannedBatch>>,
+    /// Counts the plans built, so batches built ahead for an older one are never handed out.
+    plan_gen: u64,
+    /// Worker threads building the next batches, when [`prefetch`](Self::prefetch) asked.
+    ahead: Option<Box<dyn FetchAhead<D::Batch>>>,
+    /// Batches built ahead and worker threads, as last set.
+    ahead_settings: (usize, usize),
 }
 
 impl<D: Dataset> DataLoader<D> {
@@ -81,6 +88,9 @@ impl<D: Dataset> DataLoader<D> {
             skip: 0,
             last_padding: 0,
             plan: None,
+            plan_gen: 0,
+            ahead: None,
+            ahead_settings: (0, 1),
         }
     }
 
@@ -333,6 +343,7 @@ impl<D: Dataset> DataLoader<D> {
     /// Builds this epoch's plan if it is not cached yet.
     fn ensure_plan(&mut self) {
         if self.plan.is_none() {
+            self.plan_gen += 1;
             let order =
                 sampler::epoch_order(self.dataset.len(), self.shuffle, self.seed, self.epoch);
             self.plan = Some(sampler::plan_epoch(
@@ -355,7 +366,18 @@ impl<D: Dataset> DataLoader<D> {
         let planned = plan.get(index)?;
         self.consumed += 1;
         self.publish();
-        let batch = self.dataset.get_batch(&planned.indices, &self.device);
+        let batch = match &mut self.ahead {
+            Some(ahead) => {
+                // This batch and the next ones are asked for; this one is waited for.
+                for (i, p) in plan.iter().enumerate().skip(index).take(ahead.depth() + 1) {
+                    ahead.ask((self.plan_gen, i), &p.indices, &self.device);
+                }
+                ahead
+                    .take((self.plan_gen, index))
+                    .unwrap_or_else(|| self.dataset.get_batch(&planned.indices, &self.device))
+            }
+            None => self.dataset.get_batch(&planned.indices, &self.device),
+        };
         self.last_padding = planned.padding;
         if batch.is_ok() {
             if let Some(observer) = &self.observer {
@@ -363,6 +385,51 @@ impl<D: Dataset> DataLoader<D> {
             }
         }
         Some(batch)
+    }
+}
+
+impl<D> DataLoader<D>
+where
+    D: Dataset + Send + Sync + 'static,
+    D::Batch: Send + 'static,
+{
+    /// Builds up to `depth` batches ahead on background threads (0, the default, builds each
+    /// when the loop asks), so that reading and decoding samples overlaps the training step.
+    /// The batches, their order, the position saved in checkpoints and where an error shows
+    /// are the same as without it; at most `depth` batches wait in memory. See
+    /// [`workers`](Self::workers) for the number of threads (1 by default).
+    ///
+    /// ```
+    /// use candle_core::{Device, Tensor};
+    /// use ivme::data::{DataLoader, TensorDataset};
+    ///
+    /// let x = Tensor::arange(0f32, 10., &Device::Cpu)?;
+    /// let mut loader = DataLoader::new(TensorDataset::new(x)?, 4).prefetch(2);
+    /// assert_eq!(loader.iter().count(), 3);
+    /// # Ok::<(), ivme::Error>(())
+    /// ```
+    pub fn prefetch(mut self, depth: usize) -> Self {
+        self.ahead_settings.0 = depth;
+        self.restart_workers();
+        self
+    }
+
+    /// Builds the batches asked for by [`prefetch`](Self::prefetch) on `threads` threads
+    /// (at least 1), for datasets whose samples are costly to read or decode.
+    pub fn workers(mut self, threads: usize) -> Self {
+        self.ahead_settings.1 = threads.max(1);
+        self.restart_workers();
+        self
+    }
+
+    fn restart_workers(&mut self) {
+        let (depth, threads) = self.ahead_settings;
+        // The old workers (if any) finish their batch and stop first.
+        self.ahead = None;
+        if depth > 0 {
+            let workers: Workers<D::Batch> = Workers::start(self.dataset.clone(), depth, threads);
+            self.ahead = Some(Box::new(workers));
+        }
     }
 }
 
@@ -389,6 +456,7 @@ impl<D: Dataset> fmt::Debug for DataLoader<D> {
             .field("rank", &self.rank)
             .field("world", &self.world)
             .field("prepared", &self.prepared)
+            .field("prefetch", &self.ahead_settings)
             .field("position", &self.position())
             .finish_non_exhaustive()
     }
@@ -433,73 +501,5 @@ impl<'a, D: Dataset> IntoIterator for &'a mut DataLoader<D> {
 }
 
 #[cfg(test)]
-mod tests {
-    use std::sync::Mutex;
-
-    use candle_core::Tensor;
-
-    use super::*;
-    use crate::data::TensorDataset;
-
-    #[derive(Default)]
-    struct Recorder(Mutex<Vec<(usize, usize)>>);
-
-    impl StepObserver for Recorder {
-        fn on_batch(&self, index: usize, batches_in_epoch: usize, _padding: usize) {
-            if let Ok(mut seen) = self.0.lock() {
-                seen.push((index, batches_in_epoch));
-            }
-        }
-    }
-
-    fn loader(n: u32, batch: usize) -> Result<DataLoader<TensorDataset<Tensor>>> {
-        let data = TensorDataset::new(Tensor::arange(0u32, n, &Device::Cpu)?)?;
-        Ok(DataLoader::new(data, batch))
-    }
-
-    #[test]
-    fn attach_shards_once_and_reports_every_batch() -> Result<()> {
-        let mut l = loader(10, 2)?;
-        assert!(!l.is_prepared());
-        let recorder = Arc::new(Recorder::default());
-        l.attach(1, 2, Device::Cpu, Some(recorder.clone()))?;
-        assert!(l.is_prepared());
-        // 10 samples, global batch 4: rank 1 takes [2, 3] and [6, 7]; the tail [8, 9]
-        // splits one per rank, so rank 1 ends with [9].
-        let got: Vec<Vec<u32>> = l
-            .iter()
-            .map(|b| Ok(b?.to_vec1::<u32>()?))
-            .collect::<Result<_>>()?;
-        assert_eq!(got, vec![vec![2, 3], vec![6, 7], vec![9]]);
-        let seen = recorder.0.lock().map(|s| s.clone()).unwrap_or_default();
-        assert_eq!(seen, vec![(0, 3), (1, 3), (2, 3)]);
-
-        let again = l.attach(0, 1, Device::Cpu, None).unwrap_err().to_string();
-        assert!(again.contains("already prepared"), "{again}");
-        assert!(l.shard(0, 2).is_err());
-        Ok(())
-    }
-
-    #[test]
-    fn attach_rejects_a_rank_outside_the_world() -> Result<()> {
-        let mut l = loader(4, 2)?;
-        assert!(l.attach(3, 2, Device::Cpu, None).is_err());
-        assert!(!l.is_prepared());
-        Ok(())
-    }
-
-    #[test]
-    fn the_plan_is_built_once_per_epoch() -> Result<()> {
-        let mut l = loader(9, 2)?.shuffle(true);
-        let mut it = l.iter();
-        it.next();
-        drop(it);
-        let cached = l.plan.clone();
-        assert!(cached.is_some());
-        l.iter().next();
-        assert_eq!(l.plan, cached, "same epoch, same cached plan");
-        l.set_epoch(1);
-        assert!(l.plan.is_none());
-        Ok(())
-    }
-}
+#[path = "loader_tests.rs"]
+mod tests;

@@ -5,6 +5,7 @@ mod dataset;
 mod loader;
 mod loop_position;
 mod position;
+mod prefetch;
 mod progress;
 pub mod sampler;
 mod token_file;
