@@ -10,7 +10,7 @@
 //! ```
 //!
 //! Arguments: `PROJECT_DIR OUT_DIR [epochs=3] [save_every=4] [hold_ms=0] [step_ms=0] [async=0]
-//! [point=1] [ballast_mb=0]`. The model is a plain
+//! [point=1] [ballast_mb=0] [slow_rank=R]`. The model is a plain
 //! candle-nn `linear` layer, trained with ivme's `AdamW` on a shuffled `TensorDataset`; state
 //! is saved under `PROJECT_DIR/checkpoints` every `save_every` optimizer steps. At the end rank 0
 //! writes `OUT_DIR/params.json`: the final weights by name, the attempt (`IVME_RESTART_COUNT`)
@@ -22,7 +22,8 @@
 //! can look at the running job. `step_ms=MS` makes each micro-batch take that much longer (a
 //! slower model), so a test can signal the job mid-run; `async=1` saves in the background;
 //! `point=0` leaves out the loop's preemption point; `ballast_mb=N` adds an N MB variable the
-//! loss never reaches, so the state to save and load is about 3 × N MB larger.
+//! loss never reaches, so the state to save and load is about 3 × N MB larger; `slow_rank=R`
+//! makes only rank R take `step_ms` longer (a straggler).
 //!
 //! A preemption (SIGTERM or SIGUSR1 to `ivme launch` or to a rank) stops the loop at the
 //! `preemption_point` after the optimizer step every rank agreed on: the state is saved there
@@ -65,6 +66,7 @@ struct Args {
     async_saves: bool,
     point: bool,
     ballast_mb: u64,
+    slow_rank: Option<u64>,
 }
 
 impl Args {
@@ -72,7 +74,7 @@ impl Args {
         let usage = || {
             Error::Usage(
                 "usage: restartable PROJECT_DIR OUT_DIR [epochs=N] [save_every=K] [hold_ms=MS] \
-                 [step_ms=MS] [async=0|1] [point=0|1] [ballast_mb=N]"
+                 [step_ms=MS] [async=0|1] [point=0|1] [ballast_mb=N] [slow_rank=R]"
                     .into(),
             )
         };
@@ -90,6 +92,7 @@ impl Args {
             async_saves: false,
             point: true,
             ballast_mb: 0,
+            slow_rank: None,
         };
         for word in settings {
             let (key, value) = word.split_once('=').ok_or_else(usage)?;
@@ -102,6 +105,7 @@ impl Args {
                 "async" => args.async_saves = value != 0,
                 "point" => args.point = value != 0,
                 "ballast_mb" => args.ballast_mb = value,
+                "slow_rank" => args.slow_rank = Some(value),
                 _ => return Err(usage()),
             }
         }
@@ -176,7 +180,9 @@ fn main() -> ivme::Result<()> {
         loader.set_epoch(epoch);
         for batch in loader.iter() {
             let (x, y) = batch?;
-            std::thread::sleep(std::time::Duration::from_millis(args.step_ms));
+            if args.slow_rank.is_none_or(|r| r == rank as u64) {
+                std::thread::sleep(std::time::Duration::from_millis(args.step_ms));
+            }
             let loss = candle_nn::loss::mse(&model.forward(&x)?, &y)?;
             let grads = acc.backward(&loss)?;
             opt.step(&grads)?;

@@ -30,6 +30,8 @@ impl Accelerator {
     /// # let _ = dir; Ok(()) }
     /// ```
     pub fn save_state_async(&mut self, dir: Option<&Path>) -> Result<PathBuf> {
+        let clock = self.training.window().clock().clone();
+        let _timed = clock.saving();
         self.wait_for_checkpoint()?;
         let (target, tmp) = self.start_save(dir)?;
         let started = self
@@ -75,6 +77,8 @@ impl Accelerator {
         let Some(pending) = self.checkpoints.background_mut().pending.take() else {
             return Ok(None);
         };
+        let clock = self.training.window().clock().clone();
+        let _timed = clock.saving();
         let (target, tmp, meta, wrote) = pending.join();
         self.finish_save(&target, &tmp, meta, wrote)?;
         Ok(Some(target))

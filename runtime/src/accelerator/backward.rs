@@ -7,12 +7,14 @@ use crate::accelerator::Accelerator;
 use crate::comm::Communicator;
 use crate::comm::ReduceOp;
 use crate::error::{Error, Result};
+use crate::observe::step_times::Phase;
 use crate::setup::config::Sharding;
 use crate::train::grads::{Gradients, MicroStep};
 use crate::train::shard::scale_all;
 use crate::train::sync::Strategy;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
+use std::time::Instant;
 
 impl Accelerator {
     /// Reports that batch `index` of `batches_in_epoch` is next, for hand-made data sources:
@@ -43,21 +45,31 @@ impl Accelerator {
         if sync {
             self.commit_pending_snapshot()?;
         }
+        let clock = self.training.window().clock().clone();
+        clock.count(sync);
+        let start = Instant::now();
         let scale = self.mixed.loss_scale();
         // Each micro-batch counts 1/window of its window's mean; the scale is undone after sync.
         let store = self.scaled_backward(loss, scale / window as f64)?;
         if sync && self.passes_through() {
+            clock.since(Phase::Backward, start);
+            let start = Instant::now();
             self.agree_on_stop()?;
-            return self.end_in_place(store);
+            let grads = self.end_in_place(store);
+            clock.since(Phase::Sync, start);
+            return grads;
         }
         let touched = self.accumulate(&store)?;
         drop(store);
+        clock.since(Phase::Backward, start);
         if !sync {
             return Ok(Gradients::accumulating());
         }
+        let start = Instant::now();
         let grads = self.end_window(&touched, 1.0 / scale)?;
         self.mixed.end_step(grads.found_overflow())?;
         self.agree_on_stop()?;
+        clock.since(Phase::Sync, start);
         Ok(grads)
     }
 

@@ -256,6 +256,20 @@ impl AcceleratorBuilder {
         };
 
         let preempt = crate::setup::preempt::PreemptSettings::read(|k| std::env::var(k).ok())?;
+        let step_times_every = match env::STEP_TIMES.get() {
+            None => None,
+            Some(raw) => match raw.parse::<u64>() {
+                Ok(0) => None,
+                Ok(n) => Some(n),
+                Err(_) => {
+                    return Err(Error::config(
+                        env::STEP_TIMES.name,
+                        &raw,
+                        "use a whole number of optimizer steps, or 0 for no report",
+                    ))
+                }
+            },
+        };
         let snapshot_every = match (self.snapshot_every, env::SNAPSHOT_EVERY.get()) {
             (Some(k), _) => k,
             (None, None) => 0,
@@ -325,6 +339,7 @@ impl AcceleratorBuilder {
             trackers: Shared::new(None),
             finetune: Default::default(),
             preempt: Default::default(),
+            step_times_every,
         })
     }
 }

@@ -190,6 +190,8 @@ impl Accelerator {
     /// [`save_state_async`](Self::save_state_async): it returns the folder it *will* commit.
     /// Otherwise it first finishes a save still running in the background.
     pub fn save_state(&mut self, dir: Option<&Path>) -> Result<PathBuf> {
+        let clock = self.training.window().clock().clone();
+        let _timed = clock.saving();
         if self.checkpoints.background().by_default {
             return self.save_state_async(dir);
         }

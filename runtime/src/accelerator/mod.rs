@@ -34,6 +34,7 @@ pub mod prepare;
 mod reshard;
 mod restore;
 mod snapshots;
+mod step_times;
 mod tools;
 
 /// The entry point: knows the distributed setup and drives gradients, precision and data.
@@ -65,6 +66,8 @@ pub struct Accelerator {
     pub(crate) finetune: crate::finetune::FineTuning,
     /// Whether the ranks agreed to stop for a preemption (setup/preempt.rs).
     pub(crate) preempt: crate::setup::preempt::Preemption,
+    /// Print the step-time report every this many optimizer steps (`IVME_STEP_TIMES`).
+    pub(crate) step_times_every: Option<u64>,
 }
 
 impl std::fmt::Debug for Accelerator {

@@ -227,7 +227,8 @@ impl Accelerator {
             opt: shared.clone(),
             names,
         }));
-        Ok(AcceleratedOptimizer::new(shared, copies))
+        Ok(AcceleratedOptimizer::new(shared, copies)
+            .with_clock(self.training.window().clock().clone()))
     }
 
     fn name_of(&self, var: &Var) -> Option<String> {

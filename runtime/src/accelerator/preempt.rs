@@ -44,7 +44,8 @@ impl Accelerator {
             return Err(stopped.error());
         }
         if !self.preempt.agreed {
-            return self.snapshot_if_due();
+            self.snapshot_if_due()?;
+            return self.step_times_if_due();
         }
         let step = self.optimizer_steps();
         let automatic = self

@@ -366,6 +366,7 @@ impl<D: Dataset> DataLoader<D> {
         let planned = plan.get(index)?;
         self.consumed += 1;
         self.publish();
+        let fetching = std::time::Instant::now();
         let batch = match &mut self.ahead {
             Some(ahead) => {
                 // This batch and the next ones are asked for; this one is waited for.
@@ -381,6 +382,7 @@ impl<D: Dataset> DataLoader<D> {
         self.last_padding = planned.padding;
         if batch.is_ok() {
             if let Some(observer) = &self.observer {
+                observer.on_fetch(fetching.elapsed());
                 observer.on_batch(index, plan.len(), planned.padding);
             }
         }

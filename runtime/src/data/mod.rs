@@ -24,4 +24,9 @@ pub trait StepObserver: Send + Sync {
     /// Batch `index` (0-based, within the epoch) of `batches_in_epoch` is about to be used;
     /// its last `padding` samples only even out the ranks.
     fn on_batch(&self, index: usize, batches_in_epoch: usize, padding: usize);
+
+    /// Building the batch just handed out took `took` (for the step-time report).
+    fn on_fetch(&self, took: std::time::Duration) {
+        let _ = took;
+    }
 }

@@ -5,4 +5,5 @@ pub mod logging;
 pub mod memory;
 pub mod metrics;
 pub mod progress;
+pub mod step_times;
 pub mod tracking;

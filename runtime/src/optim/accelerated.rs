@@ -3,6 +3,7 @@
 
 use super::{Linked, OptimizerLink, StatefulOptimizer};
 use crate::error::{Error, Result};
+use crate::observe::step_times::{Phase, StepClock};
 use crate::stateful::{Shared, StateDict, Stateful};
 use crate::train::grads::Gradients;
 use candle_core::Var;
@@ -22,6 +23,8 @@ pub struct AcceleratedOptimizer<O> {
     skipped: bool,
     // Under sharding the Accelerator's backward steps the optimizer (shard.rs).
     stepped_in_backward: bool,
+    // The Accelerator's step-time totals, which each real step adds to.
+    clock: Option<Arc<StepClock>>,
 }
 
 impl<O: StatefulOptimizer> AcceleratedOptimizer<O> {
@@ -33,7 +36,14 @@ impl<O: StatefulOptimizer> AcceleratedOptimizer<O> {
             copies,
             skipped: false,
             stepped_in_backward: false,
+            clock: None,
         }
+    }
+
+    /// Adds the time of each real step to `clock` (the Accelerator's step-time report).
+    pub(crate) fn with_clock(mut self, clock: Arc<StepClock>) -> Self {
+        self.clock = Some(clock);
+        self
     }
 
     /// The optimizer of a sharded model, which `backward` steps.
@@ -58,10 +68,14 @@ impl<O: StatefulOptimizer> AcceleratedOptimizer<O> {
             self.skipped = false;
             return Ok(());
         }
+        let start = std::time::Instant::now();
         self.inner.lock().step(grads.store())?;
         self.skipped = false;
         for (copy, master) in &self.copies {
             crate::precision::refresh_copy(copy, master)?;
+        }
+        if let Some(clock) = &self.clock {
+            clock.since(Phase::Optimizer, start);
         }
         Ok(())
     }

@@ -206,6 +206,13 @@ pub const SNAPSHOT_DIR: Var = Var {
     values: "a path, in /dev/shm where there is one",
     meaning: "the folder in which the ranks of one `ivme launch` keep their in-memory snapshots across restarts; removed when the launcher ends",
 };
+/// How often the step-time report is printed.
+pub const STEP_TIMES: Var = Var {
+    name: "IVME_STEP_TIMES",
+    set_by: SetBy::User,
+    values: "a whole number of optimizer steps (0 or unset: never)",
+    meaning: "print where each rank's step time goes (data, forward, backward, sync, optimizer, checkpoints) every N optimizer steps, at the loop's preemption point (`print_step_times`)",
+};
 
 /// Every variable of the contract, in the order docs/launch.md lists them.
 pub const VARS: &[Var] = &[
@@ -232,6 +239,7 @@ pub const VARS: &[Var] = &[
     REQUEUE_EXIT_CODE,
     SNAPSHOT_EVERY,
     SNAPSHOT_DIR,
+    STEP_TIMES,
 ];
 
 /// The MPI launchers' variables a process reads its place from: rank, world size, local rank

@@ -3,7 +3,8 @@
 //! backward itself.
 
 use crate::data::StepObserver;
-use std::sync::Mutex;
+use crate::observe::step_times::{Phase, StepClock};
+use std::sync::{Arc, Mutex};
 
 /// Where the current micro-batch sits in its accumulation window.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -33,6 +34,8 @@ struct Cursor {
 pub struct GradientState {
     accum: usize,
     cursor: Mutex<Cursor>,
+    /// Where each step's time goes (observe/step_times.rs), fed by the loaders too.
+    clock: Arc<StepClock>,
 }
 
 impl GradientState {
@@ -41,7 +44,13 @@ impl GradientState {
         GradientState {
             accum: accum.max(1),
             cursor: Mutex::new(Cursor::default()),
+            clock: Arc::default(),
         }
+    }
+
+    /// The step-time totals this Accelerator's parts add to.
+    pub(crate) fn clock(&self) -> &Arc<StepClock> {
+        &self.clock
     }
 
     /// The configured window length.
@@ -123,6 +132,10 @@ impl StepObserver for GradientState {
         c.pending = Some(step);
         c.last_padding = padding;
         c.last_batch = index as u64 + 1;
+    }
+
+    fn on_fetch(&self, took: std::time::Duration) {
+        self.clock.add(Phase::Data, took);
     }
 }
 
