@@ -8,6 +8,7 @@ mod position;
 mod prefetch;
 mod progress;
 pub mod sampler;
+mod text_lines;
 mod token_file;
 
 pub use dataset::{Dataset, TensorColumns, TensorDataset};
@@ -16,6 +17,7 @@ pub use loader::{Batches, DataLoader};
 pub use loop_position::{LoopCursor, LoopPosition};
 pub use position::LoaderPosition;
 pub(crate) use progress::DataProgress;
+pub use text_lines::TextLines;
 pub use token_file::{TokenFile, TokenWidth};
 
 /// Told about every batch a prepared loader hands out, so gradient accumulation knows where
