@@ -10,7 +10,7 @@
 //! ```
 //!
 //! Arguments: `PROJECT_DIR OUT_DIR [epochs=3] [save_every=4] [hold_ms=0] [step_ms=0] [async=0]
-//! [point=1] [ballast_mb=0] [slow_rank=R]`. The model is a plain
+//! [point=1] [ballast_mb=0] [slow_rank=R] [prefetch=0]`. The model is a plain
 //! candle-nn `linear` layer, trained with ivme's `AdamW` on a shuffled `TensorDataset`; state
 //! is saved under `PROJECT_DIR/checkpoints` every `save_every` optimizer steps. At the end rank 0
 //! writes `OUT_DIR/params.json`: the final weights by name, the attempt (`IVME_RESTART_COUNT`)
@@ -23,7 +23,8 @@
 //! slower model), so a test can signal the job mid-run; `async=1` saves in the background;
 //! `point=0` leaves out the loop's preemption point; `ballast_mb=N` adds an N MB variable the
 //! loss never reaches, so the state to save and load is about 3 × N MB larger; `slow_rank=R`
-//! makes only rank R take `step_ms` longer (a straggler).
+//! makes only rank R take `step_ms` longer (a straggler); `prefetch=N` builds batches N ahead
+//! on a background thread.
 //!
 //! A preemption (SIGTERM or SIGUSR1 to `ivme launch` or to a rank) stops the loop at the
 //! `preemption_point` after the optimizer step every rank agreed on: the state is saved there
@@ -67,6 +68,7 @@ struct Args {
     point: bool,
     ballast_mb: u64,
     slow_rank: Option<u64>,
+    prefetch: usize,
 }
 
 impl Args {
@@ -74,7 +76,8 @@ impl Args {
         let usage = || {
             Error::Usage(
                 "usage: restartable PROJECT_DIR OUT_DIR [epochs=N] [save_every=K] [hold_ms=MS] \
-                 [step_ms=MS] [async=0|1] [point=0|1] [ballast_mb=N] [slow_rank=R]"
+                 [step_ms=MS] [async=0|1] [point=0|1] [ballast_mb=N] [slow_rank=R] \
+                 [prefetch=N]"
                     .into(),
             )
         };
@@ -93,6 +96,7 @@ impl Args {
             point: true,
             ballast_mb: 0,
             slow_rank: None,
+            prefetch: 0,
         };
         for word in settings {
             let (key, value) = word.split_once('=').ok_or_else(usage)?;
@@ -106,6 +110,7 @@ impl Args {
                 "point" => args.point = value != 0,
                 "ballast_mb" => args.ballast_mb = value,
                 "slow_rank" => args.slow_rank = Some(value),
+                "prefetch" => args.prefetch = value as usize,
                 _ => return Err(usage()),
             }
         }
@@ -142,7 +147,10 @@ fn main() -> ivme::Result<()> {
         vb.get_with_hints(n, "ballast", candle_nn::Init::Const(0.5))?;
     }
     init_weights(&varmap, 3)?;
-    let loader = DataLoader::new(dataset(48)?, 4).shuffle(true).seed(7);
+    let loader = DataLoader::new(dataset(48)?, 4)
+        .shuffle(true)
+        .seed(7)
+        .prefetch(args.prefetch);
     let (varmap, mut loader) = acc.prepare((varmap, loader))?;
     let params = ParamsAdamW {
         lr: 0.05,
