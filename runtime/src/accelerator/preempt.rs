@@ -88,7 +88,7 @@ impl Accelerator {
             let step = self.optimizer_steps();
             if self.is_main_process() {
                 warn_user!(
-                    "ivme: preempted, but the loop has no preemption point after its optimizer \
+                    "preempted, but the loop has no preemption point after its optimizer \
                      step, so nothing was saved; call `accelerator.preemption_point()?` there \
                      (docs/faults.md)"
                 );

@@ -164,7 +164,7 @@ fn bound_by_grace(grace: Duration) {
     }
     let sig = REQUESTED.load(Ordering::SeqCst);
     warn_user!(
-        "ivme: preempted (signal {sig}) {:.0} s ago and not stopped within the grace period \
+        "preempted (signal {sig}) {:.1} s ago and not stopped within the grace period \
          (IVME_PREEMPT_GRACE): exiting now; the checkpoints already committed are intact",
         grace.as_secs_f64()
     );
