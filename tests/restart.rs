@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::job::{report, restartable, weight_bits, words, Job};
+use common::job::{report, restartable, uninterrupted_then_crashed, weight_bits, words, Job};
 use common::Scratch;
 use std::collections::{BTreeSet, HashMap};
 use std::net::IpAddr;
@@ -407,20 +407,7 @@ fn batches_built_ahead_change_nothing_a_checkpoint_or_a_restart_sees() {
     // The same run with `prefetch=2` (batches built on a worker thread), killed at step 10 and
     // restarted from its step-8 checkpoint, ends bit for bit like the plain uninterrupted run.
     let dir = Scratch::new("restart-prefetch");
-    let (a_project, a_out) = (dir.0.join("a-project"), dir.0.join("a-out"));
-    let a = restartable(&[], &a_project, &a_out, &[], &[]).wait();
-    assert!(a.status.success(), "{}", a.show());
-    let (b_project, b_out) = (dir.0.join("b-project"), dir.0.join("b-out"));
-    let b = restartable(
-        &["--max_restarts", "1"],
-        &b_project,
-        &b_out,
-        &["prefetch=2"],
-        &[("IVME_TEST_DIE_AT", "10")],
-    )
-    .wait();
-    assert!(b.status.success(), "{}", b.show());
-    let (a, b) = (report(&a_out), report(&b_out));
+    let (a, b, _) = uninterrupted_then_crashed(&dir.0, &["prefetch=2"], &[]);
     assert_eq!(b["start_step"].as_u64(), Some(8), "{b}");
     assert_eq!(weight_bits(&a), weight_bits(&b));
 }

@@ -7,30 +7,17 @@
 
 mod common;
 
-use common::job::{report, restartable, weight_bits};
+use common::job::{uninterrupted_then_crashed, weight_bits};
 use common::Scratch;
 use std::path::Path;
 
 #[test]
 fn a_crash_resumes_from_the_in_memory_snapshot_and_loses_at_most_a_step() {
     let dir = Scratch::new("snapshots");
-    let (a_project, a_out) = (dir.0.join("a-project"), dir.0.join("a-out"));
-    let a = restartable(&[], &a_project, &a_out, &[], &[]).wait();
-    assert!(a.status.success(), "{}", a.show());
-
     // 18 steps, a disk checkpoint every 4, a snapshot after every step; rank 1 dies right after
     // step 10, whose snapshot was never taken: the snapshot of step 9 is the newest state.
-    let (b_project, b_out) = (dir.0.join("b-project"), dir.0.join("b-out"));
-    let b = restartable(
-        &["--max_restarts", "1"],
-        &b_project,
-        &b_out,
-        &[],
-        &[("IVME_TEST_DIE_AT", "10"), ("IVME_SNAPSHOT_EVERY", "1")],
-    )
-    .wait();
-    assert!(b.status.success(), "{}", b.show());
-    let resumed = report(&b_out);
+    let (whole, resumed, b) =
+        uninterrupted_then_crashed(&dir.0, &[], &[("IVME_SNAPSHOT_EVERY", "1")]);
     assert_eq!(resumed["restart_count"].as_u64(), Some(1), "{}", b.show());
     assert_eq!(
         resumed["start_step"].as_u64(),
@@ -48,7 +35,7 @@ fn a_crash_resumes_from_the_in_memory_snapshot_and_loses_at_most_a_step() {
     );
     assert_eq!(
         weight_bits(&resumed),
-        weight_bits(&report(&a_out)),
+        weight_bits(&whole),
         "resumed from the snapshot, the weights differ from the uninterrupted run's"
     );
     let folder = Path::new(from).parent().expect("the snapshots folder");

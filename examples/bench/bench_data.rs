@@ -12,11 +12,12 @@ use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Optimizer, ParamsAdamW, VarBuilder, VarMap};
 use ivme::data::{DataLoader, Dataset};
 use std::hint::black_box;
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 #[path = "../support/mlp.rs"]
 mod mlp;
+#[path = "../support/rounds.rs"]
+mod rounds;
 use mlp::Mlp;
 
 const BATCH: usize = 64;
@@ -97,22 +98,16 @@ fn one(mode: &str, steps: usize) -> ivme::Result<()> {
 }
 
 fn child(mode: &str, steps: usize) -> ivme::Result<f64> {
-    let exe = std::env::current_exe().map_err(|e| ivme::Error::io("finding this program", e))?;
-    let out = Command::new(exe)
-        .args(["one", mode, &steps.to_string()])
-        .env("RAYON_NUM_THREADS", "1")
-        // glibc as `ivme launch` sets it, so the step's time is the model's, not page faults.
-        .env("MALLOC_MMAP_THRESHOLD_", "33554432")
-        .env("MALLOC_TRIM_THRESHOLD_", "2147483647")
-        .output()
-        .map_err(|e| ivme::Error::io("starting a round", e))?;
-    let text = String::from_utf8_lossy(&out.stdout);
-    text.trim().parse().map_err(|_| {
-        ivme::Error::Usage(format!(
-            "a round printed `{text}`: {}",
-            String::from_utf8_lossy(&out.stderr)
-        ))
-    })
+    let steps = steps.to_string();
+    rounds::in_own_process(
+        &["one", mode, &steps],
+        &[
+            ("RAYON_NUM_THREADS", "1"),
+            // glibc as `ivme launch` sets it, so the step's time is the model's, not page faults.
+            ("MALLOC_MMAP_THRESHOLD_", "33554432"),
+            ("MALLOC_TRIM_THRESHOLD_", "2147483647"),
+        ],
+    )
 }
 
 fn main() -> ivme::Result<()> {

@@ -10,8 +10,10 @@
 use candle_core::{Device, Tensor, Var};
 use candle_nn::{Optimizer, ParamsAdamW};
 use ivme::rng::Rng;
-use std::process::Command;
 use std::time::Instant;
+
+#[path = "../support/rounds.rs"]
+mod rounds;
 
 /// 20 variables adding up to `millions` million f32 parameters, and a gradient for each.
 fn setup(millions: usize) -> ivme::Result<(Vec<Var>, candle_core::backprop::GradStore)> {
@@ -72,19 +74,12 @@ fn one(which: &str, millions: usize, steps: usize) -> ivme::Result<()> {
 
 /// Runs `one` in a fresh process and reads its milliseconds.
 fn child(which: &str, fused: bool, millions: usize, steps: usize) -> ivme::Result<f64> {
-    let exe = std::env::current_exe().map_err(|e| ivme::Error::io("finding this program", e))?;
-    let out = Command::new(exe)
-        .args(["one", which, &millions.to_string(), &steps.to_string()])
-        .env("IVME_FUSED_OPTIMIZER", if fused { "1" } else { "0" })
-        .output()
-        .map_err(|e| ivme::Error::io("starting a round", e))?;
-    let text = String::from_utf8_lossy(&out.stdout);
-    text.trim().parse().map_err(|_| {
-        ivme::Error::Usage(format!(
-            "a round printed `{text}`: {}",
-            String::from_utf8_lossy(&out.stderr)
-        ))
-    })
+    let (millions, steps) = (millions.to_string(), steps.to_string());
+    let fused = if fused { "1" } else { "0" };
+    rounds::in_own_process(
+        &["one", which, &millions, &steps],
+        &[("IVME_FUSED_OPTIMIZER", fused)],
+    )
 }
 
 fn main() -> ivme::Result<()> {

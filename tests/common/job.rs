@@ -153,3 +153,33 @@ pub fn weight_bits(report: &Value) -> BTreeMap<String, Vec<u32>> {
         .map(|(k, v)| (k, v.iter().map(|x| x.to_bits()).collect()))
         .collect()
 }
+
+/// `restartable` uninterrupted, then again with `program_args` and `envs` under
+/// `--max_restarts 1` with rank 1 killed right after optimizer step 10: the first run's
+/// report, the second's, and how the second ended (both must have succeeded).
+pub fn uninterrupted_then_crashed(
+    dir: &Path,
+    program_args: &[&str],
+    envs: &[(&str, &str)],
+) -> (Value, Value, Ended) {
+    let (a_project, a_out) = (dir.join("a-project"), dir.join("a-out"));
+    let a = restartable(&[], &a_project, &a_out, &[], &[]).wait();
+    assert!(
+        a.status.success(),
+        "the uninterrupted run failed\n{}",
+        a.show()
+    );
+    let (b_project, b_out) = (dir.join("b-project"), dir.join("b-out"));
+    let mut envs = envs.to_vec();
+    envs.push(("IVME_TEST_DIE_AT", "10"));
+    let b = restartable(
+        &["--max_restarts", "1"],
+        &b_project,
+        &b_out,
+        program_args,
+        &envs,
+    )
+    .wait();
+    assert!(b.status.success(), "the restarted run failed\n{}", b.show());
+    (report(&a_out), report(&b_out), b)
+}
