@@ -107,18 +107,18 @@ impl Accelerator {
 /// Every checkpoint of `folders`, newest step first (the earlier folder's first on a tie);
 /// `recover` runs on each folder before it is listed.
 fn candidates(folders: &[PathBuf], recover: impl Fn(&Path)) -> Result<Vec<PathBuf>> {
-    let mut all: Vec<(u64, PathBuf)> = Vec::new();
+    let mut all: Vec<PathBuf> = Vec::new();
     for folder in folders {
         recover(folder);
-        for dir in newest_first(folder)? {
-            // An unreadable manifest sorts last; the listing check then skips it.
-            let step = crate::checkpoint::store::read_manifest(&dir).map_or(0, |m| m.step);
-            all.push((step, dir));
-        }
+        all.extend(newest_first(folder)?);
     }
     if folders.len() > 1 {
-        // Stable: a tie keeps the earlier folder's checkpoint first.
-        all.sort_by_key(|(step, _)| std::cmp::Reverse(*step));
+        // Only then are manifests read here (the load reads them again): an unreadable one
+        // sorts last and the listing check skips it. Stable: a tie keeps the earlier folder's.
+        let step = |dir: &Path| crate::checkpoint::store::read_manifest(dir).map_or(0, |m| m.step);
+        let mut stepped: Vec<(u64, PathBuf)> = all.into_iter().map(|d| (step(&d), d)).collect();
+        stepped.sort_by_key(|(s, _)| std::cmp::Reverse(*s));
+        all = stepped.into_iter().map(|(_, d)| d).collect();
     }
-    Ok(all.into_iter().map(|(_, d)| d).collect())
+    Ok(all)
 }

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use candle_core::Device;
 
-use super::prefetch::{FetchAhead, Workers};
+use super::prefetch::FetchAhead;
 use super::sampler::{self, PlannedBatch};
 use super::{Dataset, LoaderPosition, StepObserver};
 use crate::stateful::Shared;
@@ -390,51 +390,6 @@ impl<D: Dataset> DataLoader<D> {
     }
 }
 
-impl<D> DataLoader<D>
-where
-    D: Dataset + Send + Sync + 'static,
-    D::Batch: Send + 'static,
-{
-    /// Builds up to `depth` batches ahead on background threads (0, the default, builds each
-    /// when the loop asks), so that reading and decoding samples overlaps the training step.
-    /// The batches, their order, the position saved in checkpoints and where an error shows
-    /// are the same as without it; at most `depth` batches wait in memory. See
-    /// [`workers`](Self::workers) for the number of threads (1 by default).
-    ///
-    /// ```
-    /// use candle_core::{Device, Tensor};
-    /// use ivme::data::{DataLoader, TensorDataset};
-    ///
-    /// let x = Tensor::arange(0f32, 10., &Device::Cpu)?;
-    /// let mut loader = DataLoader::new(TensorDataset::new(x)?, 4).prefetch(2);
-    /// assert_eq!(loader.iter().count(), 3);
-    /// # Ok::<(), ivme::Error>(())
-    /// ```
-    pub fn prefetch(mut self, depth: usize) -> Self {
-        self.ahead_settings.0 = depth;
-        self.restart_workers();
-        self
-    }
-
-    /// Builds the batches asked for by [`prefetch`](Self::prefetch) on `threads` threads
-    /// (at least 1), for datasets whose samples are costly to read or decode.
-    pub fn workers(mut self, threads: usize) -> Self {
-        self.ahead_settings.1 = threads.max(1);
-        self.restart_workers();
-        self
-    }
-
-    fn restart_workers(&mut self) {
-        let (depth, threads) = self.ahead_settings;
-        // The old workers (if any) finish their batch and stop first.
-        self.ahead = None;
-        if depth > 0 {
-            let workers: Workers<D::Batch> = Workers::start(self.dataset.clone(), depth, threads);
-            self.ahead = Some(Box::new(workers));
-        }
-    }
-}
-
 /// Rejects a split with no processes or a rank outside it.
 fn check_split(rank: usize, world: usize) -> Result<()> {
     if world == 0 || rank >= world {
@@ -501,6 +456,9 @@ impl<'a, D: Dataset> IntoIterator for &'a mut DataLoader<D> {
         self.iter()
     }
 }
+
+#[path = "loader_prefetch.rs"]
+mod prefetching;
 
 #[cfg(test)]
 #[path = "loader_tests.rs"]
