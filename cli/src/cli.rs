@@ -13,23 +13,9 @@ use ivme_macros_core::edit_distance;
 use std::ffi::OsStr;
 use std::time::Duration;
 
-/// An example value for each flag that takes one, used in error messages.
+/// An example value for each flag that takes one and is not a launch setting (the settings'
+/// examples are in their rows, table.rs), used in error messages.
 const EXAMPLES: &[(&str, &str)] = &[
-    ("num_processes", "2"),
-    ("gradient_accumulation_steps", "4"),
-    ("num_machines", "2"),
-    ("machine_rank", "0"),
-    ("main_process_ip", "10.0.0.1"),
-    ("main_process_port", "29500"),
-    ("hostfile", "hosts.txt"),
-    ("mixed_precision", "bf16"),
-    ("sharding", "gradients"),
-    ("buffers", "average"),
-    ("max_restarts", "3"),
-    ("collective_timeout", "10m"),
-    ("preempt_signals", "TERM,USR1"),
-    ("preempt_grace", "60s"),
-    ("requeue_exit_code", "75"),
     ("config_file", "ivme.toml"),
     ("max_shard_size", "2GB"),
     ("dtype", "bf16"),
@@ -55,7 +41,18 @@ pub fn parse<T: CommandFactory + FromArgMatches>(
     command: &str,
     words: &[String],
 ) -> Result<Parsed<T>> {
-    let mut cmd = T::command()
+    parse_with(command, T::command(), words, |m| T::from_arg_matches(m))
+}
+
+/// Reads the words after `ivme <command>` by the flags of `cmd`, then into a value by `read`,
+/// or the help text for `--help`.
+pub fn parse_with<T>(
+    command: &str,
+    cmd: Command,
+    words: &[String],
+    read: impl FnOnce(&ArgMatches) -> std::result::Result<T, clap::Error>,
+) -> Result<Parsed<T>> {
+    let mut cmd = cmd
         .name(format!("ivme {command}"))
         .no_binary_name(true)
         .disable_version_flag(true)
@@ -66,7 +63,7 @@ pub fn parse<T: CommandFactory + FromArgMatches>(
                 Some(long) if a.get_action().takes_values() => {
                     debug_assert!(
                         !example(long).is_empty() || a.get_value_names() == Some(&[SWITCH.into()]),
-                        "`--{long}` has no example in cli::EXAMPLES"
+                        "`--{long}` has no example in cli::EXAMPLES or its row"
                     );
                     a.allow_hyphen_values(true)
                 }
@@ -93,7 +90,7 @@ pub fn parse<T: CommandFactory + FromArgMatches>(
         }
         Err(e) => return Err(refusal(command, &cmd, &e)),
     };
-    T::from_arg_matches(&matches)
+    read(&matches)
         .map(Parsed::Args)
         .map_err(|e| refusal(command, &cmd, &e))
 }
@@ -118,10 +115,13 @@ pub fn spelled(name: &str) -> String {
 }
 
 fn example(name: &str) -> &'static str {
-    EXAMPLES
-        .iter()
-        .find(|(n, _)| *n == name)
-        .map_or("", |(_, e)| e)
+    match crate::table::row(name) {
+        Some(row) => row.example(),
+        None => EXAMPLES
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map_or("", |(_, e)| e),
+    }
 }
 
 /// What to say when `arg` was given without its value.
@@ -236,7 +236,7 @@ pub fn text(_: &str, raw: &str, _: &str) -> std::result::Result<String, String> 
 }
 
 /// A switch's value (see [`SWITCH`]).
-fn switch(flag: &str, raw: &str, _: &str) -> std::result::Result<bool, String> {
+pub fn switch(flag: &str, raw: &str, _: &str) -> std::result::Result<bool, String> {
     match raw.trim().to_ascii_lowercase().as_str() {
         "1" | "true" | "yes" | "on" => Ok(true),
         "0" | "false" | "no" | "off" => Ok(false),
@@ -244,6 +244,41 @@ fn switch(flag: &str, raw: &str, _: &str) -> std::result::Result<bool, String> {
             "`{flag}={raw}` is not on or off; write `{flag}` alone, or `{flag}=false`"
         )),
     }
+}
+
+/// A path.
+pub fn path(_: &str, raw: &str, _: &str) -> std::result::Result<std::path::PathBuf, String> {
+    Ok(raw.into())
+}
+
+/// Names separated by commas (machine addresses).
+pub fn names(flag: &str, raw: &str, ex: &str) -> std::result::Result<Vec<String>, String> {
+    let names: Vec<String> = raw.split(',').map(|n| n.trim().to_string()).collect();
+    match names.iter().any(String::is_empty) {
+        true => Err(format!(
+            "`{flag} {raw}` has an empty name; write e.g. `{flag} {ex}`"
+        )),
+        false => Ok(names),
+    }
+}
+
+/// One of the ways ranks talk that this build launches.
+pub fn backend(flag: &str, raw: &str, _: &str) -> std::result::Result<String, String> {
+    let backends = crate::settings::BACKENDS;
+    match backends.contains(&raw) {
+        true => Ok(raw.to_string()),
+        false => Err(format!(
+            "`{flag} {raw}` is not a backend; use one of {}",
+            backends.join(", ")
+        )),
+    }
+}
+
+/// A number of optimizer steps, 0 included.
+pub fn steps(flag: &str, raw: &str, ex: &str) -> std::result::Result<u64, String> {
+    raw.trim().parse().map_err(|_| {
+        format!("`{flag} {raw}` is not a whole number of steps; write e.g. `{flag} {ex}` (0: off)")
+    })
 }
 
 /// A whole number of at least 1.

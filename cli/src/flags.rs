@@ -4,14 +4,16 @@
 use crate::cli::{self, Checked};
 use crate::mpirun;
 use crate::settings::Settings;
-use clap::Parser;
-use ivme::{BufferSync, Precision, Result, Sharding};
+use crate::table::ROWS;
+use clap::{Args, Command, FromArgMatches, Parser};
+use ivme::Result;
 use std::path::PathBuf;
-use std::time::Duration;
 
 /// The subcommand's name.
 pub const COMMAND: &str = "launch";
 
+// The settings' flags come from their rows (table.rs); these are the flags that only the
+// command line has.
 /// Start PROGRAM on one or more processes, with ivme's settings in its environment.
 #[derive(Parser, Debug)]
 #[command(
@@ -20,57 +22,6 @@ pub const COMMAND: &str = "launch";
     after_help = notes()
 )]
 struct Flags {
-    /// how many processes to start (default 1; more than 1 goes through mpirun)
-    #[arg(long, value_name = "count", value_parser = Checked(cli::positive))]
-    num_processes: Option<usize>,
-    /// compute on the CPU even where a GPU is present (IVME_CPU=1)
-    #[arg(long, value_name = cli::SWITCH)]
-    cpu: Option<bool>,
-    /// machines to run on, one per line (`node1 slots=4`), handed to mpirun
-    #[arg(long, value_name = "file", value_parser = Checked(cli::text))]
-    hostfile: Option<String>,
-    /// compute precision, passed as IVME_PRECISION
-    #[arg(long, value_name = "no|fp16|bf16", value_parser = Checked(cli::precision))]
-    mixed_precision: Option<Precision>,
-    /// ZeRO sharding stage (or 0|1|2), passed as IVME_SHARDING
-    #[arg(long, value_name = "no|optimizer|gradients", value_parser = Checked(cli::sharding))]
-    sharding: Option<Sharding>,
-    /// how buffers (BatchNorm statistics) agree across processes, passed as IVME_BUFFERS
-    #[arg(long, value_name = "broadcast|average|local", value_parser = Checked(cli::buffers))]
-    buffers: Option<BufferSync>,
-    /// micro-batches per optimizer step, passed as IVME_GRAD_ACCUM
-    #[arg(long, value_name = "steps", value_parser = Checked(cli::positive))]
-    gradient_accumulation_steps: Option<usize>,
-    /// machines in the run (more than 1 needs the config's `hosts` or --hostfile)
-    #[arg(long, value_name = "count", value_parser = Checked(cli::positive))]
-    num_machines: Option<usize>,
-    /// this machine's rank; only rank 0 starts anything (it starts every machine's ranks)
-    #[arg(long, value_name = "rank", value_parser = Checked(cli::machine_rank))]
-    machine_rank: Option<usize>,
-    /// the main machine's address (the first of the machines), as IVME_MAIN_PROCESS_IP
-    #[arg(long, value_name = "address", value_parser = Checked(cli::text))]
-    main_process_ip: Option<String>,
-    /// rendezvous port on the main machine, passed as IVME_MAIN_PROCESS_PORT
-    #[arg(long, value_name = "port", value_parser = Checked(cli::port))]
-    main_process_port: Option<u16>,
-    /// relaunch a failed job up to this many times (default 0); ranks see IVME_RESTART_COUNT
-    #[arg(long, value_name = "count", value_parser = Checked(cli::restarts))]
-    max_restarts: Option<usize>,
-    /// deadline of each collective (90, 90s, 10m, 1h, 500ms), as IVME_COLLECTIVE_TIMEOUT seconds
-    #[arg(long, value_name = "duration", value_parser = Checked(cli::duration))]
-    collective_timeout: Option<Duration>,
-    /// check that the ranks call the same collectives in the same order (IVME_DEBUG_SYNC=1)
-    #[arg(long, value_name = cli::SWITCH)]
-    debug_sync: Option<bool>,
-    /// signals that stop the job for a preemption (default TERM,USR1; none), IVME_PREEMPT_SIGNALS
-    #[arg(long, value_name = "list", value_parser = Checked(cli::signals))]
-    preempt_signals: Option<String>,
-    /// how long a preempted rank may take to stop and save (default 25s), IVME_PREEMPT_GRACE
-    #[arg(long, value_name = "duration", value_parser = Checked(cli::duration))]
-    preempt_grace: Option<Duration>,
-    /// the launcher's exit code after a preemption, for a scheduler to requeue on (default 75)
-    #[arg(long, value_name = "code", value_parser = Checked(cli::exit_code))]
-    requeue_exit_code: Option<u8>,
     /// the config file to read (default: $IVME_CONFIG, else ~/.config/ivme/default_config.toml)
     #[arg(long, value_name = "file", value_parser = Checked(cli::text))]
     config_file: Option<String>,
@@ -91,9 +42,8 @@ fn notes() -> String {
          already set), glibc allocator settings on Linux (MALLOC_MMAP_THRESHOLD_ and\n\
          MALLOC_TRIM_THRESHOLD_ unless set; IVME_MALLOC_TUNING=0 turns them off) and the variables\n\
          of the settings given. Set {} to use a particular mpirun.\n\
-         \nSettings come from flags, then IVME_PRECISION / IVME_GRAD_ACCUM / IVME_CPU /\n\
-         IVME_COLLECTIVE_TIMEOUT / IVME_DEBUG_SYNC already in the environment, then the config\n\
-         file (`ivme config`), then the defaults.\n\
+         \nSettings come from flags, then these variables already in the environment:\n{},\n\
+         then the config file (`ivme config`), then the defaults.\n\
          \nSeveral machines: run `ivme launch` on machine 0 only; mpirun starts every machine's\n\
          ranks over ssh, so each machine needs the program at the same path. The machines come from\n\
          --hostfile (`node1 slots=4` per line) or the config's `hosts` list with --num_machines.\n\
@@ -106,8 +56,27 @@ fn notes() -> String {
          every rank as SIGUSR1, the ranks stop after the optimizer step they agree on, save at\n\
          their preemption point, and the launcher exits with 75 (--requeue_exit_code) for a\n\
          scheduler to requeue on; never restarted.",
-        mpirun::MPIRUN_VAR
+        mpirun::MPIRUN_VAR,
+        environment_layer()
     )
+}
+
+/// The variables of the settings that the launcher's own environment can give, for `--help`.
+fn environment_layer() -> String {
+    let vars: Vec<&str> = ROWS.iter().filter_map(|row| row.env_layer()).collect();
+    let mut lines = String::new();
+    let mut line = String::new();
+    for var in vars {
+        if !line.is_empty() && line.len() + var.len() > 88 {
+            lines.push_str(line.trim_end());
+            lines.push('\n');
+            line.clear();
+        }
+        line.push_str(var);
+        line.push(' ');
+    }
+    lines.push_str(line.trim_end());
+    lines
 }
 
 /// The command line of `ivme launch`: the settings its flags give (the strongest layer), and
@@ -132,29 +101,18 @@ pub type Parsed = cli::Parsed<Box<LaunchArgs>>;
 impl LaunchArgs {
     /// Reads the arguments that follow `ivme launch`.
     pub fn parse(words: &[String]) -> Result<Parsed> {
-        let f = match cli::parse::<Flags>(COMMAND, words)? {
-            cli::Parsed::Help(text) => return Ok(cli::Parsed::Help(text)),
-            cli::Parsed::Args(f) => f,
+        let settings_flags = ROWS.iter().filter_map(|row| row.arg());
+        let cmd = Flags::augment_args(Command::new(COMMAND).args(settings_flags));
+        let read = |m: &clap::ArgMatches| {
+            let mut settings = Settings::default();
+            for row in ROWS {
+                row.read_flag(m, &mut settings);
+            }
+            Ok((settings, Flags::from_arg_matches(m)?))
         };
-        let settings = Settings {
-            num_processes: f.num_processes,
-            cpu: f.cpu,
-            hostfile: f.hostfile.map(PathBuf::from),
-            mixed_precision: f.mixed_precision,
-            sharding: f.sharding,
-            buffers: f.buffers,
-            gradient_accumulation_steps: f.gradient_accumulation_steps,
-            num_machines: f.num_machines,
-            machine_rank: f.machine_rank,
-            main_process_ip: f.main_process_ip,
-            main_process_port: f.main_process_port,
-            max_restarts: f.max_restarts,
-            collective_timeout: f.collective_timeout,
-            debug_sync: f.debug_sync,
-            preempt_signals: f.preempt_signals,
-            preempt_grace: f.preempt_grace,
-            requeue_exit_code: f.requeue_exit_code,
-            ..Settings::default()
+        let (settings, f) = match cli::parse_with(COMMAND, cmd, words, read)? {
+            cli::Parsed::Help(text) => return Ok(cli::Parsed::Help(text)),
+            cli::Parsed::Args(parsed) => parsed,
         };
         let mut command = f.command.into_iter();
         Ok(cli::Parsed::Args(Box::new(LaunchArgs {

@@ -87,8 +87,10 @@ pub fn main(words: &[String]) -> Result<i32> {
     }
     // The flags, the environment or the defaults, as the plan resolved them.
     let preempt = ivme::preempt::PreemptSettings::read(|k| match k {
-        k if k == ivme::env::PREEMPT_SIGNALS.name => plan.preempt_signals.clone(),
-        k if k == ivme::env::PREEMPT_GRACE.name => plan.preempt_grace.map(ivme::env::seconds_text),
+        k if k == ivme::env::PREEMPT_SIGNALS.name => plan.settings.preempt_signals.clone(),
+        k if k == ivme::env::PREEMPT_GRACE.name => {
+            plan.settings.preempt_grace.map(ivme::env::seconds_text)
+        }
         _ => None,
     })?;
     let requeue = i32::from(plan.requeue_exit_code);

@@ -21,9 +21,11 @@ mod process;
 mod prompt;
 mod rank;
 mod report;
+mod row;
 mod selftest;
 mod settings;
 mod sources;
+mod table;
 mod tuning;
 
 use clap::error::{ContextKind, ContextValue, ErrorKind};

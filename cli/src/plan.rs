@@ -9,50 +9,32 @@ pub use crate::invocation::Invocation;
 use crate::mpirun::{self, MpiJob, Mpirun};
 use crate::process;
 use crate::rank;
+use crate::settings::Settings;
 use crate::sources::{self, Origin};
+use crate::table::ROWS;
 use crate::tuning;
 use ivme::env;
-use ivme::{BufferSync, Error, Precision, Result, Sharding};
+use ivme::{Error, Result};
 use std::path::PathBuf;
-use std::time::Duration;
 
 /// A checked launch: what runs, on how many processes, with which settings.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LaunchPlan {
     /// Number of ranks.
     pub num_processes: usize,
-    /// Whether to force the CPU.
-    pub cpu: bool,
     /// The machines, for a multi-machine run (from a hostfile or the config's `hosts`).
     pub hosts: Option<Hosts>,
     /// Machines in the run.
     pub num_machines: usize,
     /// This machine's rank among them.
     pub machine_rank: usize,
-    /// The main machine's address and rendezvous port, when given.
-    pub main_process_ip: Option<String>,
-    /// The rendezvous port on the main machine, when given.
-    pub main_process_port: Option<u16>,
+    /// Every setting as the layers gave it, with the machines' counts and this machine's rank
+    /// as resolved above; the ranks' environment is made from it.
+    pub settings: Settings,
     /// Where each setting came from, for `--dry_run` (empty when built from flags alone).
     pub origins: Vec<Origin>,
-    /// The compute precision, when given.
-    pub precision: Option<Precision>,
-    /// The ZeRO sharding stage, when given.
-    pub sharding: Option<Sharding>,
-    /// How buffers agree across processes, when given.
-    pub buffers: Option<BufferSync>,
-    /// Micro-batches per optimizer step, when given.
-    pub grad_accum: Option<usize>,
     /// How many times a failed job is started again.
     pub max_restarts: usize,
-    /// The deadline of every collective, when given.
-    pub collective_timeout: Option<Duration>,
-    /// Whether the ranks check that they call the same collectives.
-    pub debug_sync: bool,
-    /// The signals taken as a preemption, when given.
-    pub preempt_signals: Option<String>,
-    /// How long a preempted rank may take to stop, when given.
-    pub preempt_grace: Option<Duration>,
     /// The launcher's exit code after a preemption.
     pub requeue_exit_code: u8,
     /// The program's absolute path.
@@ -76,27 +58,23 @@ impl LaunchPlan {
                     .into(),
             ));
         };
+        let settings = Settings {
+            num_processes: Some(machines.num_processes),
+            num_machines: Some(machines.num_machines),
+            machine_rank: Some(machines.machine_rank),
+            ..s
+        };
         Ok(LaunchPlan {
             num_processes: machines.num_processes,
-            cpu: s.cpu.unwrap_or(false),
             hosts: machines.hosts,
             num_machines: machines.num_machines,
             machine_rank: machines.machine_rank,
-            main_process_ip: s.main_process_ip,
-            main_process_port: s.main_process_port,
             origins: Vec::new(),
-            precision: s.mixed_precision,
-            sharding: s.sharding,
-            buffers: s.buffers,
-            grad_accum: s.gradient_accumulation_steps,
-            max_restarts: s.max_restarts.unwrap_or(0),
-            collective_timeout: s.collective_timeout,
-            debug_sync: s.debug_sync.unwrap_or(false),
-            preempt_signals: s.preempt_signals,
-            preempt_grace: s.preempt_grace,
-            requeue_exit_code: s
+            max_restarts: settings.max_restarts.unwrap_or(0),
+            requeue_exit_code: settings
                 .requeue_exit_code
                 .unwrap_or(ivme::preempt::DEFAULT_REQUEUE_EXIT_CODE as u8),
+            settings,
             program: process::find_executable(&program, path_var)?,
             program_args: args.program_args,
             dry_run: args.dry_run,
@@ -107,7 +85,7 @@ impl LaunchPlan {
     /// the result, keeping each setting's origin.
     pub fn resolve_with(
         flags: LaunchArgs,
-        config: Option<(&std::path::Path, &crate::settings::Settings)>,
+        config: Option<(&std::path::Path, &Settings)>,
         inherited: &[(String, String)],
         path_var: Option<&str>,
     ) -> Result<LaunchPlan> {
@@ -152,42 +130,11 @@ impl LaunchPlan {
             ),
             (env::RESTART_COUNT.name.into(), restart.to_string()),
         ];
-        if self.cpu {
-            ours.push((env::CPU.name.into(), "1".into()));
-        }
-        if let Some(p) = self.precision {
-            ours.push((env::PRECISION.name.into(), p.as_str().into()));
-        }
-        if let Some(k) = self.grad_accum {
-            ours.push((env::GRAD_ACCUM.name.into(), k.to_string()));
-        }
-        if let Some(s) = self.sharding {
-            ours.push((env::SHARDING.name.into(), s.as_str().into()));
-        }
-        if let Some(b) = self.buffers {
-            ours.push((env::BUFFERS.name.into(), b.as_str().into()));
-        }
-        if self.num_machines > 1 {
-            ours.push((env::NUM_MACHINES.name.into(), self.num_machines.to_string()));
-        }
-        if let Some(ip) = &self.main_process_ip {
-            ours.push((env::MAIN_PROCESS_IP.name.into(), ip.clone()));
-        }
-        if let Some(port) = self.main_process_port {
-            ours.push((env::MAIN_PROCESS_PORT.name.into(), port.to_string()));
-        }
-        if let Some(t) = self.collective_timeout {
-            ours.push((env::COLLECTIVE_TIMEOUT.name.into(), env::seconds_text(t)));
-        }
-        if self.debug_sync {
-            ours.push((env::DEBUG_SYNC.name.into(), "1".into()));
-        }
-        if let Some(s) = &self.preempt_signals {
-            ours.push((env::PREEMPT_SIGNALS.name.into(), s.clone()));
-        }
-        if let Some(t) = self.preempt_grace {
-            ours.push((env::PREEMPT_GRACE.name.into(), env::seconds_text(t)));
-        }
+        ours.extend(
+            ROWS.iter()
+                .filter_map(|row| row.for_ranks(&self.settings))
+                .map(|(var, text)| (var.to_string(), text)),
+        );
         if user_rayon.is_none() {
             let threads = (machine.cores / self.processes_per_machine()).max(1);
             ours.push((RAYON_VAR.into(), threads.to_string()));

@@ -4,6 +4,8 @@ use super::*;
 use crate::cli::Parsed;
 use crate::mpirun::Flavor;
 use crate::settings::Settings;
+use ivme::Precision;
+use std::time::Duration;
 
 fn words(w: &[&str]) -> Vec<String> {
     w.iter().map(|s| s.to_string()).collect()
@@ -119,7 +121,9 @@ fn a_plan_needs_a_program_that_exists() {
 fn defaults_run_one_process_directly() {
     let p = plan(&["sh", "-c", "true"]);
     assert_eq!(p.num_processes, 1);
-    assert!(!p.cpu && !p.dry_run && p.precision.is_none() && p.grad_accum.is_none());
+    let s = &p.settings;
+    assert!(s.cpu.is_none() && !p.dry_run && s.mixed_precision.is_none());
+    assert!(s.gradient_accumulation_steps.is_none());
     assert!(p.program.is_absolute() && p.program.ends_with("sh"));
     assert!(!p.uses_mpi());
     let inv = p.invocation(&ctx(TWO_CORES_ROOT, Flavor::OpenMpi)).unwrap();
@@ -459,8 +463,8 @@ fn preemption_flags_reach_the_ranks_and_the_launchers_exit_code() {
         "99",
         "sh",
     ]);
-    assert_eq!(p.preempt_signals.as_deref(), Some("USR2,TERM"));
-    assert_eq!(p.preempt_grace, Some(Duration::from_secs(90)));
+    assert_eq!(p.settings.preempt_signals.as_deref(), Some("USR2,TERM"));
+    assert_eq!(p.settings.preempt_grace, Some(Duration::from_secs(90)));
     assert_eq!(p.requeue_exit_code, 99);
     let env = p.env(&TWO_CORES_ROOT, 0, &[]);
     assert_eq!(get(&env, "IVME_PREEMPT_SIGNALS"), Some("USR2,TERM"));
@@ -469,7 +473,7 @@ fn preemption_flags_reach_the_ranks_and_the_launchers_exit_code() {
     assert_eq!(get(&env, "IVME_REQUEUE_EXIT_CODE"), None);
     let p = plan(&["sh"]);
     assert_eq!(
-        (p.preempt_signals.as_deref(), p.requeue_exit_code),
+        (p.settings.preempt_signals.as_deref(), p.requeue_exit_code),
         (None, 75)
     );
     let msg = |w: &[&str]| LaunchArgs::parse(&words(w)).unwrap_err().to_string();
@@ -485,4 +489,62 @@ fn preemption_flags_reach_the_ranks_and_the_launchers_exit_code() {
     );
     let m = msg(&["--preempt_grace", "soon", "prog"]);
     assert!(m.contains("is not a duration"), "{m}");
+}
+
+#[test]
+fn snapshots_are_set_by_a_flag_the_environment_or_the_config_file_and_reach_the_ranks() {
+    // The one row of `snapshot_every` gives the flag, the variable, the file key and the
+    // ranks' variable.
+    let p = plan(&["--snapshot_every", "5", "sh"]);
+    let env = p.env(&TWO_CORES_ROOT, 0, &[]);
+    assert_eq!(get(&env, "IVME_SNAPSHOT_EVERY"), Some("5"));
+    let file = Settings::parse("version = 1\nsnapshot_every = 3\n", "/c.toml".as_ref()).unwrap();
+    assert_eq!(file.snapshot_every, Some(3));
+    let from_file = LaunchPlan::resolve_with(
+        parse(&["sh"]),
+        Some(("/c.toml".as_ref(), &file)),
+        &[],
+        Some("/bin:/usr/bin"),
+    )
+    .unwrap();
+    assert_eq!(
+        get(
+            &from_file.env(&TWO_CORES_ROOT, 0, &[]),
+            "IVME_SNAPSHOT_EVERY"
+        ),
+        Some("3")
+    );
+    let origin = |p: &LaunchPlan| {
+        let o = p.origins.iter().find(|o| o.key == "snapshot_every");
+        o.unwrap().describe()
+    };
+    assert_eq!(origin(&from_file), "config file /c.toml");
+    let inherited = vec![("IVME_SNAPSHOT_EVERY".to_string(), "7".to_string())];
+    let from_env = LaunchPlan::resolve_with(
+        parse(&["sh"]),
+        Some(("/c.toml".as_ref(), &file)),
+        &inherited,
+        Some("/bin:/usr/bin"),
+    )
+    .unwrap();
+    assert_eq!(from_env.settings.snapshot_every, Some(7));
+    assert_eq!(
+        origin(&from_env),
+        "environment IVME_SNAPSHOT_EVERY; the config file's 3 is overridden"
+    );
+    let bad = vec![("IVME_SNAPSHOT_EVERY".to_string(), "often".to_string())];
+    let e = LaunchPlan::resolve_with(parse(&["sh"]), None, &bad, Some("/bin:/usr/bin"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("IVME_SNAPSHOT_EVERY") && e.contains("often"),
+        "{e}"
+    );
+    let e = LaunchArgs::parse(&words(&["--snapshot-every", "-2", "sh"]))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("`--snapshot_every -2` is not a whole number of steps"),
+        "{e}"
+    );
 }

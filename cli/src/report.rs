@@ -26,34 +26,10 @@ pub fn secondary_message(plan: &LaunchPlan) -> String {
 /// The settings block of `--dry_run`: each setting, its value and where it came from.
 pub fn describe_settings(plan: &LaunchPlan) -> String {
     let value = |key: &str| -> String {
-        match key {
-            "num_processes" => plan.num_processes.to_string(),
-            "cpu" => plan.cpu.to_string(),
-            "mixed_precision" => plan.precision.unwrap_or_default().to_string(),
-            "sharding" => plan.sharding.unwrap_or_default().to_string(),
-            "buffers" => plan.buffers.unwrap_or_default().to_string(),
-            "gradient_accumulation_steps" => plan.grad_accum.unwrap_or(1).to_string(),
-            "num_machines" => plan.num_machines.to_string(),
-            "machine_rank" => plan.machine_rank.to_string(),
-            "main_process_ip" => plan.main_process_ip.clone().unwrap_or_else(|| "-".into()),
-            "main_process_port" => plan.main_process_port.map_or("-".into(), |p| p.to_string()),
-            "hostfile" | "hosts" => plan.hosts.as_ref().map_or("-".into(), Hosts::spec),
-            "backend" => "mpi".into(),
-            "max_restarts" => plan.max_restarts.to_string(),
-            "collective_timeout" => plan
-                .collective_timeout
-                .map_or("-".into(), |t| format!("{}s", ivme::env::seconds_text(t))),
-            "debug_sync" => plan.debug_sync.to_string(),
-            "preempt_signals" => plan
-                .preempt_signals
-                .clone()
-                .unwrap_or_else(|| ivme::preempt::DEFAULT_SIGNALS.into()),
-            "preempt_grace" => format!(
-                "{}s",
-                ivme::env::seconds_text(plan.preempt_grace.unwrap_or(ivme::preempt::DEFAULT_GRACE))
-            ),
-            "requeue_exit_code" => plan.requeue_exit_code.to_string(),
-            _ => "?".into(),
+        match (key, crate::table::row(key)) {
+            ("hostfile" | "hosts", _) => plan.hosts.as_ref().map_or("-".into(), Hosts::spec),
+            (_, Some(row)) => row.shown(&plan.settings),
+            (_, None) => "?".into(),
         }
     };
     let width = plan.origins.iter().map(|o| o.key.len()).max().unwrap_or(0);

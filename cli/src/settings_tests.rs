@@ -27,6 +27,7 @@ fn a_written_config_reads_back_the_same() {
         hosts: Some(vec!["10.0.0.1".into(), "node \"2\"".replace(' ', "_")]),
         hostfile: None,
         max_restarts: Some(3),
+        snapshot_every: Some(10),
         // Flag- and environment-only settings: no file key.
         ..Settings::default()
     };

@@ -3,9 +3,10 @@
 //! the default. The merged settings remember their source so `--dry_run` can show it.
 
 use crate::flags::LaunchArgs;
+use crate::row::Layers;
 use crate::settings::Settings;
-use ivme::env;
-use ivme::{BufferSync, Error, Precision, Result, Sharding};
+use crate::table::ROWS;
+use ivme::Result;
 use std::path::{Path, PathBuf};
 
 /// The place one setting's value came from.
@@ -48,172 +49,19 @@ impl Origin {
     }
 }
 
-/// How a setting's value reads in `--dry_run`.
-trait Show {
-    fn show(&self) -> String;
-}
-
-macro_rules! show_display {
-    ($($t:ty),+) => {$(
-        impl Show for $t {
-            fn show(&self) -> String {
-                self.to_string()
-            }
-        }
-    )+};
-}
-show_display!(usize, u8, u16, bool, Precision, Sharding, BufferSync, String);
-
-impl Show for PathBuf {
-    fn show(&self) -> String {
-        self.display().to_string()
-    }
-}
-
-impl Show for std::time::Duration {
-    fn show(&self) -> String {
-        format!("{}s", ivme::env::seconds_text(*self))
-    }
-}
-
-impl Show for Vec<String> {
-    fn show(&self) -> String {
-        format!("[{}]", self.join(", "))
-    }
-}
-
-/// Picks one setting by precedence and records where it came from.
-fn pick<T: Clone + Show>(
-    origins: &mut Vec<Origin>,
-    key: &'static str,
-    flag: Option<T>,
-    env: Option<(&'static str, T)>,
-    (path, from_file): (Option<&Path>, Option<T>),
-) -> Option<T> {
-    let shown = |v: &Option<T>| v.as_ref().map(Show::show);
-    let (value, from, overrode) = match (flag, env, from_file) {
-        (Some(v), _, f) => (Some(v), From::Flag, shown(&f)),
-        (None, Some((var, v)), f) => (Some(v), From::Env(var), shown(&f)),
-        (None, None, Some(v)) => (
-            Some(v),
-            From::File(path.unwrap_or(Path::new("")).to_path_buf()),
-            None,
-        ),
-        (None, None, None) => (None, From::Default, None),
-    };
-    origins.push(Origin {
-        key,
-        from,
-        overrode,
-    });
-    value
-}
-
-/// Reads one of the Accelerator's `IVME_*` variables from the launcher's environment.
-fn env_value<T>(
-    inherited: &[(String, String)],
-    var: &'static str,
-    parse: impl Fn(&str) -> Option<T>,
-    valid: &str,
-) -> Result<Option<T>> {
-    let Some((_, raw)) = inherited
-        .iter()
-        .find(|(k, _)| k == var)
-        .filter(|(_, v)| !v.trim().is_empty())
-    else {
-        return Ok(None);
-    };
-    parse(raw.trim()).map(Some).ok_or_else(|| {
-        Error::config(
-            var,
-            raw,
-            format!("set by the environment: use {valid}, or unset it"),
-        )
-    })
-}
-
 /// The settings layer of the launcher's environment: the `IVME_*` variables the Accelerator
 /// reads, checked here so a bad one fails before anything starts.
 fn from_env(inherited: &[(String, String)]) -> Result<Settings> {
-    Ok(Settings {
-        cpu: env_value(inherited, env::CPU.name, env::parse_bool, env::CPU.values)?,
-        mixed_precision: env_value(
-            inherited,
-            env::PRECISION.name,
-            |s| s.parse::<Precision>().ok(),
-            &format!("one of {}", Precision::VALID.join(", ")),
-        )?,
-        sharding: env_value(
-            inherited,
-            env::SHARDING.name,
-            |s| s.parse::<Sharding>().ok(),
-            &format!("one of {}", Sharding::VALID.join(", ")),
-        )?,
-        buffers: env_value(
-            inherited,
-            env::BUFFERS.name,
-            |s| s.parse::<BufferSync>().ok(),
-            &format!("one of {}", BufferSync::VALID.join(", ")),
-        )?,
-        gradient_accumulation_steps: env_value(
-            inherited,
-            env::GRAD_ACCUM.name,
-            |s| s.parse::<usize>().ok().filter(|&n| n >= 1),
-            "a whole number of at least 1",
-        )?,
-        collective_timeout: env_value(
-            inherited,
-            env::COLLECTIVE_TIMEOUT.name,
-            env::parse_duration,
-            env::DURATION_FORMS,
-        )?,
-        debug_sync: env_value(
-            inherited,
-            env::DEBUG_SYNC.name,
-            env::parse_bool,
-            env::DEBUG_SYNC.values,
-        )?,
-        preempt_signals: env_value(
-            inherited,
-            env::PREEMPT_SIGNALS.name,
-            |s| ivme::preempt::parse_signals(s).ok().map(|_| s.to_string()),
-            env::PREEMPT_SIGNALS.values,
-        )?,
-        preempt_grace: env_value(
-            inherited,
-            env::PREEMPT_GRACE.name,
-            env::parse_duration,
-            env::DURATION_FORMS,
-        )?,
-        requeue_exit_code: env_value(
-            inherited,
-            env::REQUEUE_EXIT_CODE.name,
-            |s| s.parse::<u8>().ok().filter(|&c| c >= 1),
-            env::REQUEUE_EXIT_CODE.values,
-        )?,
-        ..Settings::default()
-    })
-}
-
-/// The variable behind a setting of the environment layer.
-fn env_name(key: &str) -> &'static str {
-    match key {
-        "cpu" => env::CPU.name,
-        "mixed_precision" => env::PRECISION.name,
-        "sharding" => env::SHARDING.name,
-        "buffers" => env::BUFFERS.name,
-        "gradient_accumulation_steps" => env::GRAD_ACCUM.name,
-        "collective_timeout" => env::COLLECTIVE_TIMEOUT.name,
-        "debug_sync" => env::DEBUG_SYNC.name,
-        "preempt_signals" => env::PREEMPT_SIGNALS.name,
-        "preempt_grace" => env::PREEMPT_GRACE.name,
-        "requeue_exit_code" => env::REQUEUE_EXIT_CODE.name,
-        _ => "",
+    let mut s = Settings::default();
+    for row in ROWS {
+        row.read_env(inherited, &mut s)?;
     }
+    Ok(s)
 }
 
 /// Stacks the layers (flags over the environment over the config file at `file`'s path) into
-/// one set of settings, and returns it in the flags' place with each setting's origin.
+/// one set of settings, and returns it in the flags' place with each setting's origin, in the
+/// order of the table.
 pub fn merge(
     flags: LaunchArgs,
     file: Option<(&Path, &Settings)>,
@@ -227,48 +75,23 @@ pub fn merge(
     if flags.settings.hostfile.is_some() {
         (file.num_machines, file.hosts, file.hostfile) = (None, None, None);
     }
-    let (mut o, f) = (Vec::new(), flags.settings);
-    macro_rules! layered {
-        ($($key:ident),+ $(,)?) => {
-            Settings {$(
-                $key: pick(
-                    &mut o,
-                    stringify!($key),
-                    f.$key,
-                    env.$key.map(|v| (env_name(stringify!($key)), v)),
-                    (path, file.$key),
-                ),
-            )+}
-        };
-    }
-    // In the order `--dry_run` lists them.
-    let settings = layered!(
-        num_processes,
-        cpu,
-        mixed_precision,
-        sharding,
-        buffers,
-        gradient_accumulation_steps,
-        num_machines,
-        machine_rank,
-        main_process_ip,
-        main_process_port,
-        hostfile,
-        hosts,
-        max_restarts,
-        collective_timeout,
-        debug_sync,
-        preempt_signals,
-        preempt_grace,
-        requeue_exit_code,
-        backend,
-    );
-    Ok((LaunchArgs { settings, ..flags }, o))
+    let layers = Layers {
+        flags: &flags.settings,
+        env: &env,
+        file: (path, &file),
+    };
+    let mut settings = Settings::default();
+    let origins = ROWS
+        .iter()
+        .map(|row| row.pick(&layers, &mut settings))
+        .collect();
+    Ok((LaunchArgs { settings, ..flags }, origins))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ivme::Precision;
 
     fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
         pairs

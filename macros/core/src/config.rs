@@ -15,7 +15,7 @@ use syn::spanned::Spanned;
 use syn::{Meta, Token};
 
 /// Every key the attribute accepts, in the order the builder calls are emitted.
-pub(crate) const KEYS: &[&str] = &[
+pub const KEYS: &[&str] = &[
     "grad_accum",
     "precision",
     "clip_grad_norm",
@@ -33,7 +33,7 @@ pub(crate) const KEYS: &[&str] = &[
 ];
 
 /// Names users bring from other training libraries, mapped to ours.
-const ALIASES: &[(&str, &str)] = &[
+pub const ALIASES: &[(&str, &str)] = &[
     ("gradient_accumulation_steps", "grad_accum"),
     ("mixed_precision", "precision"),
     ("max_grad_norm", "clip_grad_norm"),

@@ -3,7 +3,7 @@
 //! which prints what the attribute writes without compiling anything.
 
 mod config;
-pub use config::PRECISIONS;
+pub use config::{ALIASES, KEYS, PRECISIONS};
 pub use values::BUFFER_MODES;
 mod errors;
 mod rewrite;

@@ -197,7 +197,7 @@ pub const SNAPSHOT_EVERY: Var = Var {
     name: "IVME_SNAPSHOT_EVERY",
     set_by: SetBy::User,
     values: "a whole number of optimizer steps (0, the default: off)",
-    meaning: "keep a snapshot of the training state in memory every N optimizer steps; a restart by `ivme launch --max_restarts` resumes from it when it is newer than the newest checkpoint (docs/faults.md)",
+    meaning: "keep a snapshot of the training state in memory every N optimizer steps (`--snapshot_every`); a restart by `ivme launch --max_restarts` resumes from it when it is newer than the newest checkpoint (docs/faults.md)",
 };
 /// Where in-memory snapshots go.
 pub const SNAPSHOT_DIR: Var = Var {
