@@ -41,15 +41,18 @@ pub fn parse<T: CommandFactory + FromArgMatches>(
     command: &str,
     words: &[String],
 ) -> Result<Parsed<T>> {
-    parse_with(command, T::command(), words, |m| T::from_arg_matches(m))
+    parse_with(command, T::command(), words, example, |m| {
+        T::from_arg_matches(m)
+    })
 }
 
 /// Reads the words after `ivme <command>` by the flags of `cmd`, then into a value by `read`,
-/// or the help text for `--help`.
+/// or the help text for `--help`; `examples` gives a flag's example value for error messages.
 pub fn parse_with<T>(
     command: &str,
     cmd: Command,
     words: &[String],
+    examples: fn(&str) -> &'static str,
     read: impl FnOnce(&ArgMatches) -> std::result::Result<T, clap::Error>,
 ) -> Result<Parsed<T>> {
     let mut cmd = cmd
@@ -62,7 +65,7 @@ pub fn parse_with<T>(
             let a = match a.get_long() {
                 Some(long) if a.get_action().takes_values() => {
                     debug_assert!(
-                        !example(long).is_empty() || a.get_value_names() == Some(&[SWITCH.into()]),
+                        !examples(long).is_empty() || a.get_value_names() == Some(&[SWITCH.into()]),
                         "`--{long}` has no example in cli::EXAMPLES or its row"
                     );
                     a.allow_hyphen_values(true)
@@ -74,7 +77,7 @@ pub fn parse_with<T>(
                     .num_args(0..=1)
                     .require_equals(true)
                     .default_missing_value("true")
-                    .value_parser(Checked(switch)),
+                    .value_parser(Checked::new(switch)),
                 _ => a,
             };
             match a.get_long().map(|l| l.replace('_', "-")) {
@@ -88,11 +91,11 @@ pub fn parse_with<T>(
         Err(e) if e.kind() == ErrorKind::DisplayHelp => {
             return Ok(Parsed::Help(e.render().to_string()))
         }
-        Err(e) => return Err(refusal(command, &cmd, &e)),
+        Err(e) => return Err(refusal(command, &cmd, &e, examples)),
     };
     read(&matches)
         .map(Parsed::Args)
-        .map_err(|e| refusal(command, &cmd, &e))
+        .map_err(|e| refusal(command, &cmd, &e, examples))
 }
 
 /// [`parse`], printing the help text for `--help` (then `None`: nothing more to do).
@@ -114,32 +117,35 @@ pub fn spelled(name: &str) -> String {
     format!("--{name}")
 }
 
-fn example(name: &str) -> &'static str {
-    match crate::table::row(name) {
-        Some(row) => row.example(),
-        None => EXAMPLES
-            .iter()
-            .find(|(n, _)| *n == name)
-            .map_or("", |(_, e)| e),
-    }
+/// The example value of a flag that is not a launch setting.
+pub fn example(name: &str) -> &'static str {
+    EXAMPLES
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map_or("", |(_, e)| e)
 }
 
-/// What to say when `arg` was given without its value.
-fn needs_value(arg: &Arg) -> String {
+/// What to say when `arg` was given without its value; `ex` is an example value.
+fn needs_value(arg: &Arg, ex: &str) -> String {
     let name = arg.get_long().unwrap_or_default();
     let flag = spelled(name);
     let what = arg
         .get_value_names()
         .and_then(|v| v.first().map(ToString::to_string))
         .unwrap_or_else(|| "value".into());
-    match example(name) {
+    match ex {
         "" => format!("`{flag}` needs a {what}"),
         ex => format!("`{flag}` needs a {what}, e.g. `{flag} {ex}`"),
     }
 }
 
 /// ivme's words for what clap refused.
-fn refusal(command: &str, cmd: &Command, e: &clap::Error) -> Error {
+fn refusal(
+    command: &str,
+    cmd: &Command,
+    e: &clap::Error,
+    examples: fn(&str) -> &'static str,
+) -> Error {
     let context = |kind| match e.get(kind) {
         Some(ContextValue::String(s)) => s.as_str(),
         _ => "",
@@ -157,7 +163,8 @@ fn refusal(command: &str, cmd: &Command, e: &clap::Error) -> Error {
             let hint = closest(&name.replace('-', "_"), longs)
                 .map(|s| format!("did you mean `{}`? ", spelled(s)))
                 .unwrap_or_default();
-            let program = match command == crate::flags::COMMAND {
+            let takes_a_program = cmd.get_arguments().any(Arg::is_trailing_var_arg_set);
+            let program = match takes_a_program {
                 true => " (flags for your program go after the program's name)",
                 false => "",
             };
@@ -174,7 +181,7 @@ fn refusal(command: &str, cmd: &Command, e: &clap::Error) -> Error {
         }
         ErrorKind::InvalidValue if context(ContextKind::InvalidValue).is_empty() => {
             match cmd.get_arguments().find(|a| a.get_long() == Some(name)) {
-                Some(arg) => needs_value(arg),
+                Some(arg) => needs_value(arg, examples(name)),
                 None => format!("`{flag}` needs a value"),
             }
         }
@@ -205,7 +212,32 @@ pub fn closest<'a>(word: &str, candidates: impl Iterator<Item = &'a str>) -> Opt
 
 /// A flag's value parser: `check(flag, raw, example)` reads the value or says what to write.
 #[derive(Clone, Copy)]
-pub struct Checked<T>(pub fn(&str, &str, &str) -> std::result::Result<T, String>);
+pub struct Checked<T> {
+    check: fn(&str, &str, &str) -> std::result::Result<T, String>,
+    /// The flag's example value; `None` looks it up in [`EXAMPLES`].
+    example: Option<&'static str>,
+}
+
+impl<T> Checked<T> {
+    /// A parser whose example value is the flag's in [`EXAMPLES`].
+    pub fn new(check: fn(&str, &str, &str) -> std::result::Result<T, String>) -> Checked<T> {
+        Checked {
+            check,
+            example: None,
+        }
+    }
+
+    /// A parser with its own example value.
+    pub fn with_example(
+        check: fn(&str, &str, &str) -> std::result::Result<T, String>,
+        example: &'static str,
+    ) -> Checked<T> {
+        Checked {
+            check,
+            example: Some(example),
+        }
+    }
+}
 
 impl<T: Clone + Send + Sync + 'static> TypedValueParser for Checked<T> {
     type Value = T;
@@ -217,10 +249,11 @@ impl<T: Clone + Send + Sync + 'static> TypedValueParser for Checked<T> {
         value: &OsStr,
     ) -> std::result::Result<T, clap::Error> {
         let name = arg.and_then(Arg::get_long).unwrap_or_default();
+        let ex = self.example.unwrap_or_else(|| example(name));
         let raw = value.to_string_lossy();
         let checked = match (raw.starts_with("--"), arg) {
-            (true, Some(arg)) => Err(needs_value(arg)),
-            _ => (self.0)(&spelled(name), &raw, example(name)),
+            (true, Some(arg)) => Err(needs_value(arg, ex)),
+            _ => (self.check)(&spelled(name), &raw, ex),
         };
         checked.map_err(|message| {
             let mut e = clap::Error::new(ErrorKind::ValueValidation);
@@ -259,18 +292,6 @@ pub fn names(flag: &str, raw: &str, ex: &str) -> std::result::Result<Vec<String>
             "`{flag} {raw}` has an empty name; write e.g. `{flag} {ex}`"
         )),
         false => Ok(names),
-    }
-}
-
-/// One of the ways ranks talk that this build launches.
-pub fn backend(flag: &str, raw: &str, _: &str) -> std::result::Result<String, String> {
-    let backends = crate::settings::BACKENDS;
-    match backends.contains(&raw) {
-        true => Ok(raw.to_string()),
-        false => Err(format!(
-            "`{flag} {raw}` is not a backend; use one of {}",
-            backends.join(", ")
-        )),
     }
 }
 
@@ -390,21 +411,32 @@ mod tests {
     #[derive(Parser, Debug, PartialEq)]
     #[command(rename_all = "snake_case")]
     struct Flags {
-        #[arg(long, value_name = "count", value_parser = Checked(positive))]
+        #[arg(long, value_name = "count", value_parser = Checked::new(positive))]
         num_processes: Option<usize>,
         #[arg(long, value_name = SWITCH)]
         cpu: Option<bool>,
-        #[arg(long, value_name = "count", value_parser = Checked(restarts))]
+        #[arg(long, value_name = "count", value_parser = Checked::new(restarts))]
         max_restarts: Option<usize>,
-        #[arg(long, value_name = "duration", value_parser = Checked(duration))]
+        #[arg(long, value_name = "duration", value_parser = Checked::new(duration))]
         collective_timeout: Option<Duration>,
         #[arg(trailing_var_arg = true)]
         command: Vec<String>,
     }
 
+    /// The examples of this test's flags (the launcher's come from their rows).
+    fn examples(name: &str) -> &'static str {
+        match name {
+            "num_processes" => "2",
+            "max_restarts" => "3",
+            "collective_timeout" => "10m",
+            _ => "",
+        }
+    }
+
     fn read(words: &[&str]) -> Result<Flags> {
         let words: Vec<String> = words.iter().map(|w| w.to_string()).collect();
-        match parse::<Flags>("launch", &words)? {
+        let read = |m: &ArgMatches| Flags::from_arg_matches(m);
+        match parse_with("launch", Flags::command(), &words, examples, read)? {
             Parsed::Args(flags) => Ok(flags),
             Parsed::Help(text) => panic!("help for {words:?}: {text}"),
         }

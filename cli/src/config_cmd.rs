@@ -18,7 +18,7 @@ pub const COMMAND: &str = "config";
 #[command(rename_all = "snake_case", override_usage = usage())]
 struct Flags {
     /// the file to write or show (default: $IVME_CONFIG, else ~/.config/ivme/default_config.toml)
-    #[arg(long, value_name = "file", value_parser = Checked(cli::text))]
+    #[arg(long, value_name = "file", value_parser = Checked::new(cli::text))]
     config_file: Option<String>,
     /// `config default` only: replace an existing file
     #[arg(long, value_name = cli::SWITCH)]

@@ -17,7 +17,7 @@ pub const COMMAND: &str = "env";
 #[command(rename_all = "snake_case")]
 struct Flags {
     /// the config file to report (default: $IVME_CONFIG, else ~/.config/ivme/default_config.toml)
-    #[arg(long, value_name = "file", value_parser = Checked(cli::text))]
+    #[arg(long, value_name = "file", value_parser = Checked::new(cli::text))]
     config_file: Option<String>,
 }
 

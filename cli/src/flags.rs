@@ -23,7 +23,7 @@ pub const COMMAND: &str = "launch";
 )]
 struct Flags {
     /// the config file to read (default: $IVME_CONFIG, else ~/.config/ivme/default_config.toml)
-    #[arg(long, value_name = "file", value_parser = Checked(cli::text))]
+    #[arg(long, value_name = "file", value_parser = Checked::new(cli::text))]
     config_file: Option<String>,
     /// print the settings with their sources, the command and environment; run nothing
     #[arg(long, value_name = cli::SWITCH)]
@@ -110,7 +110,9 @@ impl LaunchArgs {
             }
             Ok((settings, Flags::from_arg_matches(m)?))
         };
-        let (settings, f) = match cli::parse_with(COMMAND, cmd, words, read)? {
+        let examples =
+            |name: &str| crate::table::row(name).map_or(cli::example(name), |r| r.example());
+        let (settings, f) = match cli::parse_with(COMMAND, cmd, words, examples, read)? {
             cli::Parsed::Help(text) => return Ok(cli::Parsed::Help(text)),
             cli::Parsed::Args(parsed) => parsed,
         };

@@ -17,10 +17,10 @@ pub const COMMAND: &str = "merge-weights";
 #[command(rename_all = "snake_case", after_help = NOTES)]
 struct Flags {
     /// the largest file to write ("2GB", "500MiB", bytes); default: one file
-    #[arg(long, value_name = "size", value_parser = Checked(shard_size))]
+    #[arg(long, value_name = "size", value_parser = Checked::new(shard_size))]
     max_shard_size: Option<ShardSize>,
     /// the dtype to write the weights in (default: the f32 masters; with --adapter the base's)
-    #[arg(long, value_name = "f32|bf16|f16", value_parser = Checked(dtype))]
+    #[arg(long, value_name = "f32|bf16|f16", value_parser = Checked::new(dtype))]
     dtype: Option<DType>,
     /// a LoRA adapter folder (adapter_model.safetensors, adapter_config.json) to fold into
     /// its base instead of merging a checkpoint

@@ -89,7 +89,8 @@ impl LaunchPlan {
         inherited: &[(String, String)],
         path_var: Option<&str>,
     ) -> Result<LaunchPlan> {
-        let (args, origins) = sources::merge(flags, config, inherited)?;
+        let (settings, origins) = sources::merge(&flags.settings, config, inherited)?;
+        let args = LaunchArgs { settings, ..flags };
         let mut plan = LaunchPlan::resolve(args, path_var)?;
         plan.origins = origins;
         Ok(plan)

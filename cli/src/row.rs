@@ -5,13 +5,51 @@
 //! here instead of naming settings itself, so a new setting is one row.
 
 use crate::cli::Checked;
-use crate::settings::Settings;
-use crate::sources::{From, Origin};
 use clap::{Arg, ArgMatches};
 use ivme::env::Var;
 use ivme::{BufferSync, Error, Precision, Result, Sharding};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
+
+/// The place one setting's value came from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum From {
+    /// A command-line flag.
+    Flag,
+    /// A variable in the launcher's environment.
+    Env(&'static str),
+    /// The config file at this path.
+    File(PathBuf),
+    /// Nothing set it.
+    Default,
+}
+
+/// One setting's source, and what a weaker source said that it overrode.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Origin {
+    /// The setting, spelled as its flag and config key.
+    pub key: &'static str,
+    /// Where its value came from.
+    pub from: From,
+    /// The config file's value when a stronger source replaced it.
+    pub overrode: Option<String>,
+}
+
+impl Origin {
+    /// Says where the value came from, for `--dry_run`.
+    pub fn describe(&self) -> String {
+        let mut s = match &self.from {
+            From::Flag => format!("flag --{}", self.key),
+            From::Env(var) => format!("environment {var}"),
+            From::File(p) => format!("config file {}", p.display()),
+            From::Default => "default".to_string(),
+        };
+        if let Some(v) = &self.overrode {
+            s.push_str(&format!("; the config file's {v} is overridden"));
+        }
+        s
+    }
+}
 
 /// A setting's command-line flag (its name is the setting's key).
 pub struct Flag {
@@ -33,7 +71,7 @@ pub struct Env<T> {
 }
 
 /// One setting, declared once.
-pub struct Row<T: 'static> {
+pub struct Row<S: 'static, T: 'static> {
     /// The flag's and the config file's name for it.
     pub key: &'static str,
     /// What it is, in one line (the config file's comment).
@@ -65,14 +103,15 @@ pub struct Row<T: 'static> {
     pub show: fn(&T) -> String,
     /// The value that applies when nothing sets it, for `--dry_run` (`None`: shown as `-`).
     pub default: fn() -> Option<T>,
-    /// The setting's field in a [`Settings`].
-    pub get: fn(&Settings) -> &Option<T>,
+    /// The setting's field in the settings struct `S` (table.rs's `Settings`).
+    pub get: fn(&S) -> &Option<T>,
     /// The same field, to fill.
-    pub set: fn(&mut Settings) -> &mut Option<T>,
+    pub set: fn(&mut S) -> &mut Option<T>,
 }
 
-/// A row with its value type hidden, so the table can hold rows of every type.
-pub trait Setting: Sync {
+/// A row with its value type hidden, so the table can hold rows of every type; `S` is the
+/// struct that holds one value of each.
+pub trait Setting<S>: Sync {
     /// The flag's and the config file's name for it.
     fn key(&self) -> &'static str;
     /// What it is, in one line.
@@ -92,35 +131,35 @@ pub trait Setting: Sync {
     /// The command-line flag, for clap.
     fn arg(&self) -> Option<Arg>;
     /// Reads the flag's value from clap's matches into `s`.
-    fn read_flag(&self, m: &ArgMatches, s: &mut Settings);
+    fn read_flag(&self, m: &ArgMatches, s: &mut S);
     /// Reads the variable from the launcher's environment into `s`, when it is a layer.
-    fn read_env(&self, inherited: &[(String, String)], s: &mut Settings) -> Result<()>;
+    fn read_env(&self, inherited: &[(String, String)], s: &mut S) -> Result<()>;
     /// Reads the config file's value into `s`; `path` names the file.
-    fn read_file(&self, v: &toml::Value, path: &Path, s: &mut Settings) -> Result<()>;
+    fn read_file(&self, v: &toml::Value, path: &Path, s: &mut S) -> Result<()>;
     /// The config file's lines for the value in `s`, when it sets one.
-    fn toml_lines(&self, s: &Settings) -> Option<String>;
+    fn toml_lines(&self, s: &S) -> Option<String>;
     /// The variable and text every rank gets for the value in `s`, when it is passed.
-    fn for_ranks(&self, s: &Settings) -> Option<(&'static str, String)>;
+    fn for_ranks(&self, s: &S) -> Option<(&'static str, String)>;
     /// The value in `s`, or the default, as `--dry_run` shows it (`-` for none).
-    fn shown(&self, s: &Settings) -> String;
+    fn shown(&self, s: &S) -> String;
     /// Takes the value from the strongest layer that sets it into `out`, and says where from.
-    fn pick(&self, layers: &Layers, out: &mut Settings) -> Origin;
+    fn pick(&self, layers: &Layers<S>, out: &mut S) -> Origin;
     /// Its line of the settings table in docs/launch.md.
     #[cfg(test)]
     fn docs_line(&self) -> String;
 }
 
 /// The layers of settings, strongest first, that [`Setting::pick`] chooses from.
-pub struct Layers<'a> {
+pub struct Layers<'a, S> {
     /// What the flags say.
-    pub flags: &'a Settings,
+    pub flags: &'a S,
     /// What the launcher's environment says.
-    pub env: &'a Settings,
+    pub env: &'a S,
     /// What the config file says, and its path.
-    pub file: (Option<&'a Path>, &'a Settings),
+    pub file: (Option<&'a Path>, &'a S),
 }
 
-impl<T> Setting for Row<T>
+impl<S, T> Setting<S> for Row<S, T>
 where
     T: Clone + Send + Sync + 'static + Toml,
 {
@@ -161,17 +200,17 @@ where
                 .long(self.key)
                 .value_name(flag.value_name)
                 .help(flag.help)
-                .value_parser(Checked(self.parse)),
+                .value_parser(Checked::with_example(self.parse, self.example)),
         )
     }
 
-    fn read_flag(&self, m: &ArgMatches, s: &mut Settings) {
+    fn read_flag(&self, m: &ArgMatches, s: &mut S) {
         if self.flag.is_some() {
             *(self.set)(s) = m.get_one::<T>(self.key).cloned();
         }
     }
 
-    fn read_env(&self, inherited: &[(String, String)], s: &mut Settings) -> Result<()> {
+    fn read_env(&self, inherited: &[(String, String)], s: &mut S) -> Result<()> {
         let Some(var) = self.env.as_ref().filter(|e| e.read).map(|e| e.var.name) else {
             return Ok(());
         };
@@ -193,7 +232,7 @@ where
         Ok(())
     }
 
-    fn read_file(&self, v: &toml::Value, path: &Path, s: &mut Settings) -> Result<()> {
+    fn read_file(&self, v: &toml::Value, path: &Path, s: &mut S) -> Result<()> {
         let dir = path.parent().unwrap_or(Path::new("."));
         let value = T::read(v, dir)
             .and_then(|text| (self.parse)(self.key, &text, self.example).ok())
@@ -216,7 +255,7 @@ where
         Ok(())
     }
 
-    fn toml_lines(&self, s: &Settings) -> Option<String> {
+    fn toml_lines(&self, s: &S) -> Option<String> {
         let v = (self.get)(s).as_ref().filter(|_| self.file)?;
         Some(format!(
             "\n# {}\n{} = {}\n",
@@ -226,20 +265,20 @@ where
         ))
     }
 
-    fn for_ranks(&self, s: &Settings) -> Option<(&'static str, String)> {
+    fn for_ranks(&self, s: &S) -> Option<(&'static str, String)> {
         let env = self.env.as_ref()?;
         let text = (env.to_ranks)((self.get)(s).as_ref()?)?;
         Some((env.var.name, text))
     }
 
-    fn shown(&self, s: &Settings) -> String {
+    fn shown(&self, s: &S) -> String {
         (self.get)(s)
             .clone()
             .or_else(self.default)
             .map_or("-".into(), |v| (self.show)(&v))
     }
 
-    fn pick(&self, layers: &Layers, out: &mut Settings) -> Origin {
+    fn pick(&self, layers: &Layers<S>, out: &mut S) -> Origin {
         let (path, file) = layers.file;
         let file = (self.get)(file).clone();
         let env = self.env.as_ref().map(|e| e.var.name);

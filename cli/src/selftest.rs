@@ -34,10 +34,10 @@ pub const RANK_COMMAND: &str = "__selftest";
 )]
 struct Flags {
     /// processes to test on (default: the config's, else 1)
-    #[arg(long, value_name = "count", value_parser = Checked(cli::positive))]
+    #[arg(long, value_name = "count", value_parser = Checked::new(cli::positive))]
     num_processes: Option<usize>,
     /// the config file to test (default: $IVME_CONFIG, else ~/.config/ivme/default_config.toml)
-    #[arg(long, value_name = "file", value_parser = Checked(cli::text))]
+    #[arg(long, value_name = "file", value_parser = Checked::new(cli::text))]
     config_file: Option<String>,
 }
 

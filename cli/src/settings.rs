@@ -17,8 +17,7 @@ pub const VERSION: i64 = 1;
 /// The variable that names a config file, between the `--config_file` flag and the default.
 pub const CONFIG_VAR: &str = ivme::env::CONFIG.name;
 
-/// The ways ranks can talk to each other that this build launches.
-pub const BACKENDS: &[&str] = &["mpi"];
+pub use crate::table::BACKENDS;
 
 pub use crate::table::Settings;
 

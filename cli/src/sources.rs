@@ -2,52 +2,12 @@
 //! launcher's environment (for the settings the Accelerator reads), then the config file, then
 //! the default. The merged settings remember their source so `--dry_run` can show it.
 
-use crate::flags::LaunchArgs;
 use crate::row::Layers;
+pub use crate::row::{From, Origin};
 use crate::settings::Settings;
 use crate::table::ROWS;
 use ivme::Result;
-use std::path::{Path, PathBuf};
-
-/// The place one setting's value came from.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum From {
-    /// A command-line flag.
-    Flag,
-    /// A variable in the launcher's environment.
-    Env(&'static str),
-    /// The config file at this path.
-    File(PathBuf),
-    /// Nothing set it.
-    Default,
-}
-
-/// One setting's source, and what a weaker source said that it overrode.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Origin {
-    /// The setting, spelled as its flag and config key.
-    pub key: &'static str,
-    /// Where its value came from.
-    pub from: From,
-    /// The config file's value when a stronger source replaced it.
-    pub overrode: Option<String>,
-}
-
-impl Origin {
-    /// Says where the value came from, for `--dry_run`.
-    pub fn describe(&self) -> String {
-        let mut s = match &self.from {
-            From::Flag => format!("flag --{}", self.key),
-            From::Env(var) => format!("environment {var}"),
-            From::File(p) => format!("config file {}", p.display()),
-            From::Default => "default".to_string(),
-        };
-        if let Some(v) = &self.overrode {
-            s.push_str(&format!("; the config file's {v} is overridden"));
-        }
-        s
-    }
-}
+use std::path::Path;
 
 /// The settings layer of the launcher's environment: the `IVME_*` variables the Accelerator
 /// reads, checked here so a bad one fails before anything starts.
@@ -59,24 +19,23 @@ fn from_env(inherited: &[(String, String)]) -> Result<Settings> {
     Ok(s)
 }
 
-/// Stacks the layers (flags over the environment over the config file at `file`'s path) into
-/// one set of settings, and returns it in the flags' place with each setting's origin, in the
-/// order of the table.
+/// Stacks the layers (the flags' settings over the environment over the config file at
+/// `file`'s path) into one set of settings, with each setting's origin in the table's order.
 pub fn merge(
-    flags: LaunchArgs,
+    flags: &Settings,
     file: Option<(&Path, &Settings)>,
     inherited: &[(String, String)],
-) -> Result<(LaunchArgs, Vec<Origin>)> {
+) -> Result<(Settings, Vec<Origin>)> {
     let path = file.map(|(p, _)| p);
     let mut file = file.map(|(_, c)| c.clone()).unwrap_or_default();
     let env = from_env(inherited)?;
     // A hostfile on the command line describes the machines anew, so the file's machine list
     // (and its count) would only contradict it.
-    if flags.settings.hostfile.is_some() {
+    if flags.hostfile.is_some() {
         (file.num_machines, file.hosts, file.hostfile) = (None, None, None);
     }
     let layers = Layers {
-        flags: &flags.settings,
+        flags,
         env: &env,
         file: (path, &file),
     };
@@ -85,7 +44,7 @@ pub fn merge(
         .iter()
         .map(|row| row.pick(&layers, &mut settings))
         .collect();
-    Ok((LaunchArgs { settings, ..flags }, origins))
+    Ok((settings, origins))
 }
 
 #[cfg(test)]
@@ -113,18 +72,20 @@ mod tests {
             cpu: Some(true),
             ..Settings::default()
         };
-        let flags = LaunchArgs {
-            settings: Settings {
-                num_processes: Some(2),
-                ..Settings::default()
-            },
-            ..LaunchArgs::default()
+        let flags = Settings {
+            num_processes: Some(2),
+            ..Settings::default()
         };
         let p = Path::new("/cfg.toml");
-        let (a, o) = merge(flags, Some((p, &file)), &env(&[("IVME_PRECISION", "bf16")])).unwrap();
-        assert_eq!(a.settings.num_processes, Some(2));
-        assert_eq!(a.settings.mixed_precision, Some(Precision::Bf16));
-        assert_eq!(a.settings.gradient_accumulation_steps, Some(3));
+        let (a, o) = merge(
+            &flags,
+            Some((p, &file)),
+            &env(&[("IVME_PRECISION", "bf16")]),
+        )
+        .unwrap();
+        assert_eq!(a.num_processes, Some(2));
+        assert_eq!(a.mixed_precision, Some(Precision::Bf16));
+        assert_eq!(a.gradient_accumulation_steps, Some(3));
         assert_eq!(
             origin(&o, "num_processes").describe(),
             "flag --num_processes; the config file's 4 is overridden"
@@ -142,27 +103,24 @@ mod tests {
 
     #[test]
     fn preemption_settings_come_from_flags_or_the_environment_and_bad_ones_stop_the_launch() {
-        let flags = LaunchArgs {
-            settings: Settings {
-                requeue_exit_code: Some(9),
-                ..Settings::default()
-            },
-            ..LaunchArgs::default()
+        let flags = Settings {
+            requeue_exit_code: Some(9),
+            ..Settings::default()
         };
         let inherited = env(&[
             ("IVME_PREEMPT_SIGNALS", "USR2"),
             ("IVME_REQUEUE_EXIT_CODE", "3"),
         ]);
-        let (a, o) = merge(flags, None, &inherited).unwrap();
-        assert_eq!(a.settings.preempt_signals.as_deref(), Some("USR2"));
-        assert_eq!(a.settings.requeue_exit_code, Some(9));
+        let (a, o) = merge(&flags, None, &inherited).unwrap();
+        assert_eq!(a.preempt_signals.as_deref(), Some("USR2"));
+        assert_eq!(a.requeue_exit_code, Some(9));
         assert_eq!(
             origin(&o, "preempt_signals").from,
             From::Env("IVME_PREEMPT_SIGNALS")
         );
         assert_eq!(origin(&o, "requeue_exit_code").from, From::Flag);
         let e = merge(
-            LaunchArgs::default(),
+            &Settings::default(),
             None,
             &env(&[("IVME_PREEMPT_SIGNALS", "STOP")]),
         )
@@ -177,33 +135,30 @@ mod tests {
             max_restarts: Some(2),
             ..Settings::default()
         };
-        let flags = LaunchArgs {
-            settings: Settings {
-                debug_sync: Some(false),
-                ..Settings::default()
-            },
-            ..LaunchArgs::default()
+        let flags = Settings {
+            debug_sync: Some(false),
+            ..Settings::default()
         };
         let inherited = env(&[("IVME_COLLECTIVE_TIMEOUT", "2m"), ("IVME_DEBUG_SYNC", "1")]);
         let p = Path::new("/cfg.toml");
-        let (a, o) = merge(flags, Some((p, &file)), &inherited).unwrap();
-        assert_eq!(a.settings.max_restarts, Some(2));
+        let (a, o) = merge(&flags, Some((p, &file)), &inherited).unwrap();
+        assert_eq!(a.max_restarts, Some(2));
         assert_eq!(
             origin(&o, "max_restarts").describe(),
             "config file /cfg.toml"
         );
         assert_eq!(
-            a.settings.collective_timeout,
+            a.collective_timeout,
             Some(std::time::Duration::from_secs(120))
         );
         assert_eq!(
             origin(&o, "collective_timeout").from,
             From::Env("IVME_COLLECTIVE_TIMEOUT")
         );
-        assert_eq!(a.settings.debug_sync, Some(false));
+        assert_eq!(a.debug_sync, Some(false));
         assert_eq!(origin(&o, "debug_sync").from, From::Flag);
         let e = merge(
-            LaunchArgs::default(),
+            &Settings::default(),
             None,
             &env(&[("IVME_COLLECTIVE_TIMEOUT", "soon")]),
         )
@@ -218,7 +173,7 @@ mod tests {
     #[test]
     fn a_bad_environment_value_is_named() {
         let e = merge(
-            LaunchArgs::default(),
+            &Settings::default(),
             None,
             &env(&[("IVME_GRAD_ACCUM", "0")]),
         )
@@ -237,14 +192,11 @@ mod tests {
             hosts: Some(vec!["a".into(), "b".into(), "c".into()]),
             ..Settings::default()
         };
-        let flags = LaunchArgs {
-            settings: Settings {
-                hostfile: Some("h".into()),
-                ..Settings::default()
-            },
-            ..LaunchArgs::default()
+        let flags = Settings {
+            hostfile: Some("h".into()),
+            ..Settings::default()
         };
-        let (a, _) = merge(flags, Some((Path::new("c"), &file)), &[]).unwrap();
-        assert_eq!((a.settings.num_machines, a.settings.hosts), (None, None));
+        let (a, _) = merge(&flags, Some((Path::new("c"), &file)), &[]).unwrap();
+        assert_eq!((a.num_machines, a.hosts), (None, None));
     }
 }

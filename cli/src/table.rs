@@ -26,8 +26,8 @@ macro_rules! settings {
         }
 
         /// Every setting, in the order `--dry_run`, the config file and docs/launch.md list them.
-        pub const ROWS: &[&dyn Setting] = &[$(
-            &Row::<$ty> {
+        pub const ROWS: &[&dyn Setting<Settings>] = &[$(
+            &Row::<Settings, $ty> {
                 key: stringify!($key),
                 doc: $doc,
                 get: |s| &s.$key,
@@ -36,6 +36,20 @@ macro_rules! settings {
             },
         )*];
     };
+}
+
+/// The ways ranks can talk that this build launches.
+pub const BACKENDS: &[&str] = &["mpi"];
+
+/// One of the ways ranks talk that this build launches.
+fn backend(flag: &str, raw: &str, _: &str) -> std::result::Result<String, String> {
+    match BACKENDS.contains(&raw) {
+        true => Ok(raw.to_string()),
+        false => Err(format!(
+            "`{flag} {raw}` is not a backend; use one of {}",
+            BACKENDS.join(", ")
+        )),
+    }
 }
 
 fn none<T>() -> Option<T> {
@@ -130,8 +144,8 @@ settings! {
     backend: String {
         label: "how the processes talk", code: "", attribute: "",
         flag: None,
-        example: "mpi", parse: cli::backend, want: "one of mpi",
-        env: None, file: true, show: text, default: || Some(crate::settings::BACKENDS[0].into()),
+        example: "mpi", parse: backend, want: "one of mpi",
+        env: None, file: true, show: text, default: || Some(BACKENDS[0].into()),
     }
     /// Machines in the run.
     num_machines: usize {
@@ -290,7 +304,7 @@ settings! {
 }
 
 /// The row of the setting with this key.
-pub fn row(key: &str) -> Option<&'static dyn Setting> {
+pub fn row(key: &str) -> Option<&'static dyn Setting<Settings>> {
     ROWS.iter().copied().find(|r| r.key() == key)
 }
 
@@ -352,7 +366,7 @@ mod tests {
             "{:?}",
             Sharding::VALID
         );
-        assert_eq!(want("backend"), one_of(crate::settings::BACKENDS));
+        assert_eq!(want("backend"), one_of(BACKENDS));
     }
 
     #[test]

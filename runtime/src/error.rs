@@ -131,13 +131,8 @@ pub enum CheckpointErrorKind {
     Failed,
 }
 
-/// A dtype error that the process's bf16/fp16 precision caused becomes a [`Error::Precision`]
-/// that says what happened and what to do; every other candle error is [`Error::Candle`].
-impl From<candle_core::Error> for Error {
-    fn from(e: candle_core::Error) -> Self {
-        crate::precision::model_dtype::explain(e)
-    }
-}
+// `From<candle_core::Error>` is in precision/model_dtype.rs, beside the explanations of the
+// dtype errors that 16-bit weights cause.
 
 impl std::fmt::Debug for Error {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

@@ -1,11 +1,11 @@
 //! The attribute's keys, parsed into typed values that keep their spans and validated in one
 //! pass, so a user sees every mistake in the attribute at once.
 
-use crate::edit_distance;
 use crate::errors::Errors;
+use crate::spelling::closest;
 use crate::values::{
     boolean, buffer_mode, grad_accum, positive_float, precision, project_dir, seconds, seed,
-    snapshot_every, total_limit, zero_stage,
+    snapshot_every, total_limit, zero_stage, PRECISIONS,
 };
 use proc_macro2::{Literal, Span, TokenStream};
 use quote::{quote, quote_spanned};
@@ -41,10 +41,6 @@ pub const ALIASES: &[(&str, &str)] = &[
     ("sharding", "zero"),
     ("broadcast_buffers", "buffers"),
 ];
-
-/// The precisions `precision = ".."` accepts: the canonical spellings, which `ivme::Precision`
-/// reads and writes too (`Precision::VALID` is this list).
-pub const PRECISIONS: &[&str] = &["no", "fp16", "bf16"];
 
 /// The `ivme::Precision` variant of each of [`PRECISIONS`], in the same order.
 const PRECISION_VARIANTS: &[&str] = &["No", "Fp16", "Bf16"];
@@ -308,16 +304,6 @@ fn missing_value(path: &syn::Path) -> syn::Error {
         _ => return unknown_key(path, &key),
     };
     syn::Error::new_spanned(path, format!("`{key}` needs a value, e.g. `{example}`"))
-}
-
-/// The candidate closest to `word` by edit distance, when it is close enough to be a typo.
-pub(crate) fn closest(word: &str, candidates: &[&'static str]) -> Option<&'static str> {
-    candidates
-        .iter()
-        .map(|c| (edit_distance(word, c), *c))
-        .filter(|(d, c)| *d <= (c.len().max(word.len()) / 3).max(1))
-        .min_by_key(|(d, _)| *d)
-        .map(|(_, c)| c)
 }
 
 #[cfg(test)]

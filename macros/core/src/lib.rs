@@ -3,29 +3,15 @@
 //! which prints what the attribute writes without compiling anything.
 
 mod config;
-pub use config::{ALIASES, KEYS, PRECISIONS};
+pub use config::{ALIASES, KEYS};
+mod spelling;
+pub use spelling::edit_distance;
 pub use values::BUFFER_MODES;
+pub use values::PRECISIONS;
 mod errors;
 mod rewrite;
 mod signature;
 mod values;
-
-/// The Levenshtein distance between two words, in chars: how many single-character insertions,
-/// deletions or substitutions turn one into the other. The attribute and the `ivme` command use
-/// it to suggest the key, value or subcommand a typo meant.
-pub fn edit_distance(a: &str, b: &str) -> usize {
-    let b: Vec<char> = b.chars().collect();
-    let mut prev: Vec<usize> = (0..=b.len()).collect();
-    for (i, ca) in a.chars().enumerate() {
-        let mut cur = vec![i + 1; b.len() + 1];
-        for (j, cb) in b.iter().enumerate() {
-            let substitute = prev[j] + usize::from(ca != *cb);
-            cur[j + 1] = substitute.min(prev[j + 1] + 1).min(cur[j] + 1);
-        }
-        prev = cur;
-    }
-    prev[b.len()]
-}
 
 #[cfg(test)]
 mod snapshots;
@@ -167,7 +153,7 @@ fn not_a_function(item: &TokenStream) -> syn::Error {
 
 #[cfg(test)]
 mod tests {
-    use super::edit_distance;
+    use crate::spelling::edit_distance;
 
     #[test]
     fn edit_distance_counts_single_edits() {

@@ -1,9 +1,13 @@
 //! Parsers for the attribute's literal values: each returns the typed value or an error
 //! spanned on the value that says what to write instead.
 
-use crate::config::{closest, PRECISIONS};
+use crate::spelling::closest;
 use quote::quote;
 use syn::{Expr, Lit, UnOp};
+
+/// The precisions `precision = ".."` accepts: the canonical spellings, which `ivme::Precision`
+/// reads and writes too (`Precision::VALID` is this list).
+pub const PRECISIONS: &[&str] = &["no", "fp16", "bf16"];
 
 /// The literal inside `value`, and whether it was negated (`-1`).
 fn literal(value: &Expr) -> Option<(&Lit, bool)> {

@@ -281,11 +281,11 @@ impl Accelerator {
             // The same coefficient as the unsharded clip: max / (norm + 1e-6), at most 1.
             let coef = (max / (total + 1e-6)).min(1.0);
             if coef < 1.0 {
-                scale_all(&mut store, self.training.models(), |g| g * coef)?;
+                scale_all(&mut store, self.training.shards(), |g| g * coef)?;
             }
         }
         if let Some(v) = self.sync.clip_value() {
-            scale_all(&mut store, self.training.models(), |g| g.clamp(-v, v))?;
+            scale_all(&mut store, self.training.shards(), |g| g.clamp(-v, v))?;
         }
         for m in self.training.touched_mut(touched) {
             let shard = m.shard.as_mut().expect("a sharded model");

@@ -33,6 +33,14 @@ const INPUT_FIRST: &[&str] = &[
 /// Where the docs list the models known to do this, and the patches.
 const DOCS: &str = "docs/precision.md";
 
+/// A dtype error that 16-bit weights caused becomes an [`Error::Precision`] that says what
+/// happened and what to do; every other candle error is [`Error::Candle`].
+impl From<candle_core::Error> for Error {
+    fn from(e: candle_core::Error) -> Self {
+        explain(e)
+    }
+}
+
 /// Turns a candle error into ivme's, with an explanation when it is a dtype problem of the
 /// kind 16-bit weights cause (f32 meeting bf16/f16, or an op without a 16-bit kernel); other
 /// errors pass through unchanged. The error itself says which 16-bit dtype is involved, so

@@ -3,8 +3,10 @@
 
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
+use crate::setup::config::Sharding;
 pub use crate::train::bucket::all_reduce_bucketed;
 use crate::train::bucket::{Finish, SyncBuffers};
+use crate::train::shard::{Partial, Sharded};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
 
@@ -176,7 +178,7 @@ pub struct ParamSet {
     /// The persistent buffers of the allocation-free sync.
     pub(crate) buffers: SyncBuffers,
     /// This process's slice of the model under sharding (shard.rs).
-    pub(crate) shard: Option<crate::train::shard::Sharded>,
+    pub(crate) shard: Option<Sharded>,
 }
 
 impl ParamSet {
@@ -245,6 +247,52 @@ impl ParamSet {
             }
         }
         Ok(any)
+    }
+
+    /// Ends the window for a sharded model: the mean gradient of each of this process's
+    /// pieces into `store` (keyed by the piece masters), and this process's share of the
+    /// overflow check and (with `want_norm`, for clipping) of the squared norm. Stage 1
+    /// averages whole gradients as [`take_synced`](Self::take_synced) does, then slices them;
+    /// stage 2 reduce-scatters the window sums (shard.rs).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn take_sharded(
+        &mut self,
+        comm: &dyn Communicator,
+        position: u64,
+        bucket_bytes: usize,
+        inv_scale: f64,
+        check_overflow: bool,
+        want_norm: bool,
+        store: &mut GradStore,
+    ) -> Result<Partial> {
+        let stage = self.shard.as_ref().map(|s| s.stage);
+        if stage == Some(Sharding::Optimizer) {
+            let mut full = GradStore::default();
+            let overflow = self.take_synced(
+                comm,
+                position,
+                bucket_bytes,
+                inv_scale,
+                check_overflow,
+                &mut full,
+            )?;
+            let shard = self.shard.as_ref().expect("a sharded model");
+            let partial = shard.slice_whole(&full, &self.master, want_norm, store)?;
+            return Ok(Partial {
+                overflow,
+                ..partial
+            });
+        }
+        let shard = self.shard.as_ref().expect("a sharded model");
+        shard.reduce_scatter(
+            comm,
+            position,
+            &mut self.sums,
+            inv_scale,
+            check_overflow,
+            want_norm,
+            store,
+        )
     }
 
     /// Ends the window: averages the sums across processes (bucketed), unscales them, and

@@ -19,7 +19,6 @@
 use crate::comm::Communicator;
 use crate::error::Result;
 use crate::setup::config::Sharding;
-use crate::train::grads::ParamSet;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 
@@ -242,67 +241,67 @@ pub(crate) struct Partial {
     pub(crate) squares: f64,
 }
 
-impl ParamSet {
-    /// Ends the window for a sharded model: the mean gradient of each of this process's
-    /// pieces into `store` (keyed by the piece masters), and this process's share of the
-    /// overflow check and (with `want_norm`, for clipping) of the squared norm.
+impl Sharded {
+    /// Stage 1: this process's pieces of the whole mean gradients in `full` (keyed by the
+    /// model's `master` variables) into `store` (keyed by the piece masters), with this
+    /// process's share of the squared norm when `want_norm` (for clipping).
+    pub(crate) fn slice_whole(
+        &self,
+        full: &GradStore,
+        master: &[Var],
+        want_norm: bool,
+        store: &mut GradStore,
+    ) -> Result<Partial> {
+        let mut partial = Partial {
+            overflow: false,
+            squares: 0.0,
+        };
+        for (p, m) in self.plan.pieces.iter().zip(&self.masters) {
+            if let Some(g) = full.get(master[p.param].as_tensor()) {
+                let g = g.flatten_all()?.narrow(0, p.from, p.len)?;
+                if want_norm {
+                    partial.squares += g.sqr()?.sum_all()?.to_scalar::<f32>()? as f64;
+                }
+                store.insert(m.as_tensor(), g);
+            }
+        }
+        Ok(partial)
+    }
+
+    /// Stage 2: every rank sends its whole window sums (`sums`, taken) and receives its
+    /// slice's sum, which becomes the mean gradient of each piece in `store`, with this
+    /// process's share of the overflow check and of the squared norm.
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn take_sharded(
-        &mut self,
+    pub(crate) fn reduce_scatter(
+        &self,
         comm: &dyn Communicator,
         position: u64,
-        bucket_bytes: usize,
+        sums: &mut [Option<Tensor>],
         inv_scale: f64,
         check_overflow: bool,
         want_norm: bool,
         store: &mut GradStore,
     ) -> Result<Partial> {
-        let stage = self.shard.as_ref().map(|s| s.stage);
         let mut partial = Partial {
             overflow: false,
             squares: 0.0,
         };
-        if stage == Some(Sharding::Optimizer) {
-            // Whole gradients, averaged as in plain data parallelism; then this rank's pieces.
-            let mut full = GradStore::default();
-            partial.overflow = self.take_synced(
-                comm,
-                position,
-                bucket_bytes,
-                inv_scale,
-                check_overflow,
-                &mut full,
-            )?;
-            let shard = self.shard.as_ref().expect("a sharded model");
-            for (p, m) in shard.plan.pieces.iter().zip(&shard.masters) {
-                if let Some(g) = full.get(self.master[p.param].as_tensor()) {
-                    let g = g.flatten_all()?.narrow(0, p.from, p.len)?;
-                    if want_norm {
-                        partial.squares += g.sqr()?.sum_all()?.to_scalar::<f32>()? as f64;
-                    }
-                    store.insert(m.as_tensor(), g);
-                }
-            }
-            return Ok(partial);
-        }
-        // Stage 2: every rank sends its whole window sum and receives its slice's sum.
         let world = comm.world_size();
-        let present: Vec<bool> = self.sums.iter().map(Option::is_some).collect();
-        let shard = self.shard.as_ref().expect("a sharded model");
-        let total: usize = shard.plan.sizes.iter().sum();
+        let present: Vec<bool> = sums.iter().map(Option::is_some).collect();
+        let total: usize = self.plan.sizes.iter().sum();
         let mut send = Vec::with_capacity(total);
-        for (sum, &n) in self.sums.iter_mut().zip(&shard.plan.sizes) {
+        for (sum, &n) in sums.iter_mut().zip(&self.plan.sizes) {
             match sum.take() {
                 Some(g) => send.extend(g.flatten_all()?.to_vec1::<f32>()?),
                 None => send.resize(send.len() + n, 0.0),
             }
         }
-        let mut mine = vec![0f32; shard.plan.counts[comm.rank()]];
-        comm.reduce_scatter_sum_into(&send, &mut mine, &shard.plan.counts, position)?;
+        let mut mine = vec![0f32; self.plan.counts[comm.rank()]];
+        comm.reduce_scatter_sum_into(&send, &mut mine, &self.plan.counts, position)?;
         drop(send);
         let factor = (inv_scale / world as f64) as f32;
         let mut at = 0;
-        for (p, m) in shard.plan.pieces.iter().zip(&shard.masters) {
+        for (p, m) in self.plan.pieces.iter().zip(&self.masters) {
             let run: Vec<f32> = mine[at..at + p.len].iter().map(|x| x * factor).collect();
             at += p.len;
             if !present[p.param] {
@@ -320,17 +319,15 @@ impl ParamSet {
     }
 }
 
-/// Replaces every piece gradient in `store` by `f(gradient)`.
-pub(crate) fn scale_all(
+/// Replaces every piece gradient in `store` by `f(gradient)`, over the pieces of `shards`.
+pub(crate) fn scale_all<'a>(
     store: &mut GradStore,
-    models: &[ParamSet],
+    shards: impl Iterator<Item = &'a Sharded>,
     f: impl Fn(Tensor) -> candle_core::Result<Tensor>,
 ) -> Result<()> {
-    for m in models {
-        for v in m.shard.iter().flat_map(|s| &s.masters) {
-            if let Some(g) = store.remove(v.as_tensor()) {
-                store.insert(v.as_tensor(), f(g)?);
-            }
+    for v in shards.flat_map(|s| &s.masters) {
+        if let Some(g) = store.remove(v.as_tensor()) {
+            store.insert(v.as_tensor(), f(g)?);
         }
     }
     Ok(())

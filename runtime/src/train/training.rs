@@ -40,6 +40,11 @@ impl Training {
         &self.models
     }
 
+    /// The sharded models' slices.
+    pub(crate) fn shards(&self) -> impl Iterator<Item = &crate::train::shard::Sharded> {
+        self.models.iter().filter_map(|m| m.shard.as_ref())
+    }
+
     /// The prepared models, to accumulate into or restore.
     pub(crate) fn models_mut(&mut self) -> &mut [ParamSet] {
         &mut self.models
