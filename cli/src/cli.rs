@@ -1,7 +1,7 @@
 //! Flag parsing shared by the `ivme` subcommands, on clap's derive.
 //!
 //! Each subcommand declares its flags as a `#[derive(Parser)]` struct with snake_case names;
-//! [`parse`] accepts the kebab-case spelling too (`--num-processes`, `--num_processes=2`), and
+//! [`parse_with`] accepts the kebab-case spelling too (`--num-processes`, `--num_processes=2`), and
 //! turns clap's refusals into ivme's: the flag as typed, the nearest real flag, the value to
 //! write. Launch stops reading flags at the program: everything from it on is the program's.
 
@@ -34,16 +34,6 @@ pub enum Parsed<T> {
     Help(String),
     /// The flags and arguments given.
     Args(T),
-}
-
-/// Reads the words after `ivme <command>` into `T`, or the help text for `--help`.
-pub fn parse<T: CommandFactory + FromArgMatches>(
-    command: &str,
-    words: &[String],
-) -> Result<Parsed<T>> {
-    parse_with(command, T::command(), words, example, |m| {
-        T::from_arg_matches(m)
-    })
 }
 
 /// Reads the words after `ivme <command>` by the flags of `cmd`, then into a value by `read`,
@@ -98,18 +88,31 @@ pub fn parse_with<T>(
         .map_err(|e| refusal(command, &cmd, &e, examples))
 }
 
-/// [`parse`], printing the help text for `--help` (then `None`: nothing more to do).
+/// Reads the words after `ivme <command>` into `T`, printing the help text for `--help` (then
+/// `None`: nothing more to do).
 pub fn read<T: CommandFactory + FromArgMatches>(
     command: &str,
     words: &[String],
 ) -> Result<Option<T>> {
-    Ok(match parse(command, words)? {
-        Parsed::Help(text) => {
-            print!("{text}");
-            None
-        }
-        Parsed::Args(flags) => Some(flags),
-    })
+    read_with(command, words, example)
+}
+
+/// [`read`] with the example values of `examples` (for a command with launch settings' flags).
+pub fn read_with<T: CommandFactory + FromArgMatches>(
+    command: &str,
+    words: &[String],
+    examples: fn(&str) -> &'static str,
+) -> Result<Option<T>> {
+    let read = |m: &ArgMatches| T::from_arg_matches(m);
+    Ok(
+        match parse_with(command, T::command(), words, examples, read)? {
+            Parsed::Help(text) => {
+                print!("{text}");
+                None
+            }
+            Parsed::Args(flags) => Some(flags),
+        },
+    )
 }
 
 /// Spells a flag the way users type it in errors and help.

@@ -79,6 +79,12 @@ fn environment_layer() -> String {
     lines
 }
 
+/// A flag's example value for error messages: a launch setting's from its row, else the
+/// other commands' (`cli::example`).
+pub fn example(name: &str) -> &'static str {
+    crate::table::row(name).map_or(cli::example(name), |r| r.example())
+}
+
 /// The command line of `ivme launch`: the settings its flags give (the strongest layer), and
 /// what only the command line says.
 #[derive(Debug, Clone, Default, PartialEq)]

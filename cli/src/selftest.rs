@@ -50,7 +50,7 @@ const FAULT_VAR: &str = "IVME_SELFTEST_FAULT";
 
 /// Runs `ivme test` and returns the exit code.
 pub fn main(words: &[String]) -> Result<i32> {
-    let Some(flags) = cli::read::<Flags>(COMMAND, words)? else {
+    let Some(flags) = cli::read_with::<Flags>(COMMAND, words, crate::flags::example)? else {
         return Ok(0);
     };
     let nanos = SystemTime::now()
