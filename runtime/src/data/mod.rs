@@ -4,6 +4,7 @@
 mod dataset;
 mod loader;
 mod loop_position;
+mod packed;
 mod position;
 mod prefetch;
 mod progress;
@@ -15,6 +16,7 @@ pub use dataset::{Dataset, TensorColumns, TensorDataset};
 pub use loader::{Batches, DataLoader};
 #[doc(hidden)]
 pub use loop_position::{LoopCursor, LoopPosition};
+pub use packed::Packed;
 pub use position::LoaderPosition;
 pub(crate) use progress::DataProgress;
 pub use text_lines::TextLines;

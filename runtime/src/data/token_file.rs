@@ -233,18 +233,28 @@ impl Dataset for TokenFile {
     }
 
     fn collate(&self, items: Vec<Vec<u32>>, device: &Device) -> Result<(Tensor, Tensor)> {
-        let (b, t) = (items.len(), self.seq_len);
-        let mut inputs = Vec::with_capacity(b * t);
-        let mut targets = Vec::with_capacity(b * t);
-        for w in &items {
-            inputs.extend_from_slice(&w[..t]);
-            targets.extend_from_slice(&w[1..]);
-        }
-        Ok((
-            Tensor::from_vec(inputs, (b, t), device)?,
-            Tensor::from_vec(targets, (b, t), device)?,
-        ))
+        next_token_batch(&items, self.seq_len, device)
     }
+}
+
+/// Windows of `seq_len + 1` ids as a batch: the first `seq_len` of each as inputs, the last
+/// `seq_len` as their next-token targets, both `(batch, seq_len)`.
+pub(super) fn next_token_batch(
+    windows: &[Vec<u32>],
+    seq_len: usize,
+    device: &Device,
+) -> Result<(Tensor, Tensor)> {
+    let (b, t) = (windows.len(), seq_len);
+    let mut inputs = Vec::with_capacity(b * t);
+    let mut targets = Vec::with_capacity(b * t);
+    for w in windows {
+        inputs.extend_from_slice(&w[..t]);
+        targets.extend_from_slice(&w[1..]);
+    }
+    Ok((
+        Tensor::from_vec(inputs, (b, t), device)?,
+        Tensor::from_vec(targets, (b, t), device)?,
+    ))
 }
 
 #[cfg(test)]
