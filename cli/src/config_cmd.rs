@@ -5,6 +5,7 @@ use crate::cli::{self, Checked};
 use crate::hosts::Hosts;
 use crate::prompt::{Lines, Prompter, Terminal};
 use crate::settings::{Location, Settings, BACKENDS};
+use crate::values;
 use clap::Parser;
 use ivme::{Error, Precision, Result};
 use std::io::IsTerminal;
@@ -18,7 +19,7 @@ pub const COMMAND: &str = "config";
 #[command(rename_all = "snake_case", override_usage = usage())]
 struct Flags {
     /// the file to write or show (default: $IVME_CONFIG, else ~/.config/ivme/default_config.toml)
-    #[arg(long, value_name = "file", value_parser = Checked::new(cli::text))]
+    #[arg(long, value_name = "file", value_parser = Checked::new(values::text))]
     config_file: Option<String>,
     /// `config default` only: replace an existing file
     #[arg(long, value_name = cli::SWITCH)]

@@ -4,6 +4,7 @@ use crate::cli::{self, Checked};
 use crate::mpirun::MPIRUN_VAR;
 use crate::process;
 use crate::settings::Location;
+use crate::values;
 use clap::Parser;
 use ivme::Result;
 use std::path::Path;
@@ -17,7 +18,7 @@ pub const COMMAND: &str = "env";
 #[command(rename_all = "snake_case")]
 struct Flags {
     /// the config file to report (default: $IVME_CONFIG, else ~/.config/ivme/default_config.toml)
-    #[arg(long, value_name = "file", value_parser = Checked::new(cli::text))]
+    #[arg(long, value_name = "file", value_parser = Checked::new(values::text))]
     config_file: Option<String>,
 }
 

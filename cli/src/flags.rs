@@ -5,6 +5,7 @@ use crate::cli::{self, Checked};
 use crate::mpirun;
 use crate::settings::Settings;
 use crate::table::ROWS;
+use crate::values;
 use clap::{Args, Command, FromArgMatches, Parser};
 use ivme::Result;
 use std::path::PathBuf;
@@ -23,7 +24,7 @@ pub const COMMAND: &str = "launch";
 )]
 struct Flags {
     /// the config file to read (default: $IVME_CONFIG, else ~/.config/ivme/default_config.toml)
-    #[arg(long, value_name = "file", value_parser = Checked::new(cli::text))]
+    #[arg(long, value_name = "file", value_parser = Checked::new(values::text))]
     config_file: Option<String>,
     /// print the settings with their sources, the command and environment; run nothing
     #[arg(long, value_name = cli::SWITCH)]

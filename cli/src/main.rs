@@ -27,6 +27,7 @@ mod settings;
 mod sources;
 mod table;
 mod tuning;
+mod values;
 
 use clap::error::{ContextKind, ContextValue, ErrorKind};
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};

@@ -10,6 +10,7 @@
 
 use crate::cli::{self, Checked};
 use crate::launch;
+use crate::values;
 use candle_core::{DType, Device, Module, Tensor, Var};
 use candle_nn::{linear, Linear, Optimizer, VarBuilder, VarMap};
 use clap::Parser;
@@ -34,10 +35,10 @@ pub const RANK_COMMAND: &str = "__selftest";
 )]
 struct Flags {
     /// processes to test on (default: the config's, else 1)
-    #[arg(long, value_name = "count", value_parser = Checked::new(cli::positive))]
+    #[arg(long, value_name = "count", value_parser = Checked::new(values::positive))]
     num_processes: Option<usize>,
     /// the config file to test (default: $IVME_CONFIG, else ~/.config/ivme/default_config.toml)
-    #[arg(long, value_name = "file", value_parser = Checked::new(cli::text))]
+    #[arg(long, value_name = "file", value_parser = Checked::new(values::text))]
     config_file: Option<String>,
 }
 

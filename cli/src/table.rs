@@ -5,6 +5,7 @@
 
 use crate::cli;
 use crate::row::{Env, Flag, Row, Setting};
+use crate::values;
 use ivme::env;
 use ivme::{BufferSync, Precision, Sharding};
 use std::path::PathBuf;
@@ -80,7 +81,7 @@ settings! {
             value_name: "count",
             help: "how many processes to start (default 1; more than 1 goes through mpirun)",
         }),
-        example: "2", parse: cli::positive, want: "a whole number of at least 1",
+        example: "2", parse: values::positive, want: "a whole number of at least 1",
         env: None, file: true, show: text, default: || Some(1),
     }
     /// Compute on the CPU even where a GPU is present.
@@ -90,7 +91,7 @@ settings! {
             value_name: cli::SWITCH,
             help: "compute on the CPU even where a GPU is present (IVME_CPU=1)",
         }),
-        example: "", parse: cli::switch, want: "true or false (or 1 or 0)",
+        example: "", parse: values::switch, want: "true or false (or 1 or 0)",
         env: Some(Env { var: env::CPU, read: true, to_ranks: |on| on.then(|| "1".into()) }),
         file: true, show: text, default: || Some(false),
     }
@@ -102,7 +103,7 @@ settings! {
             value_name: "no|fp16|bf16",
             help: "compute precision, passed as IVME_PRECISION",
         }),
-        example: "bf16", parse: cli::precision, want: "one of no, fp16, bf16",
+        example: "bf16", parse: values::precision, want: "one of no, fp16, bf16",
         env: Some(Env { var: env::PRECISION, read: true, to_ranks: passed }),
         file: true, show: text, default: || Some(Precision::No),
     }
@@ -113,7 +114,7 @@ settings! {
             value_name: "no|optimizer|gradients",
             help: "ZeRO sharding stage (or 0|1|2), passed as IVME_SHARDING",
         }),
-        example: "gradients", parse: cli::sharding, want: "one of no, optimizer, gradients",
+        example: "gradients", parse: values::sharding, want: "one of no, optimizer, gradients",
         env: Some(Env { var: env::SHARDING, read: true, to_ranks: passed }),
         file: true, show: text, default: || Some(Sharding::No),
     }
@@ -124,7 +125,7 @@ settings! {
             value_name: "broadcast|average|local",
             help: "how buffers (BatchNorm statistics) agree across processes, passed as IVME_BUFFERS",
         }),
-        example: "average", parse: cli::buffers, want: "one of broadcast, average, local",
+        example: "average", parse: values::buffers, want: "one of broadcast, average, local",
         env: Some(Env { var: env::BUFFERS, read: true, to_ranks: passed }),
         file: true, show: text, default: || Some(BufferSync::default()),
     }
@@ -136,7 +137,7 @@ settings! {
             value_name: "steps",
             help: "micro-batches per optimizer step, passed as IVME_GRAD_ACCUM",
         }),
-        example: "4", parse: cli::positive, want: "a whole number of at least 1",
+        example: "4", parse: values::positive, want: "a whole number of at least 1",
         env: Some(Env { var: env::GRAD_ACCUM, read: true, to_ranks: passed }),
         file: true, show: text, default: || Some(1),
     }
@@ -154,7 +155,7 @@ settings! {
             value_name: "count",
             help: "machines in the run (more than 1 needs the config's `hosts` or --hostfile)",
         }),
-        example: "2", parse: cli::positive, want: "a whole number of at least 1",
+        example: "2", parse: values::positive, want: "a whole number of at least 1",
         env: Some(Env {
             var: env::NUM_MACHINES,
             read: false,
@@ -169,7 +170,7 @@ settings! {
             value_name: "rank",
             help: "this machine's rank; only rank 0 starts anything (it starts every machine's ranks)",
         }),
-        example: "0", parse: cli::machine_rank, want: "a whole number of at least 0",
+        example: "0", parse: values::machine_rank, want: "a whole number of at least 0",
         env: None, file: true, show: text, default: || Some(0),
     }
     /// The main machine's (rank 0's) address.
@@ -179,7 +180,7 @@ settings! {
             value_name: "address",
             help: "the main machine's address (the first of the machines), as IVME_MAIN_PROCESS_IP",
         }),
-        example: "10.0.0.1", parse: cli::text,
+        example: "10.0.0.1", parse: values::text,
         want: "a non-empty string without spaces, in quotes",
         env: Some(Env { var: env::MAIN_PROCESS_IP, read: false, to_ranks: passed }),
         file: true, show: text, default: none,
@@ -191,7 +192,7 @@ settings! {
             value_name: "port",
             help: "rendezvous port on the main machine, passed as IVME_MAIN_PROCESS_PORT",
         }),
-        example: "29500", parse: cli::port, want: "a whole number from 1 to 65535",
+        example: "29500", parse: values::port, want: "a whole number from 1 to 65535",
         env: Some(Env { var: env::MAIN_PROCESS_PORT, read: false, to_ranks: passed }),
         file: true, show: text, default: none,
     }
@@ -202,14 +203,14 @@ settings! {
             value_name: "file",
             help: "machines to run on, one per line (`node1 slots=4`), handed to mpirun",
         }),
-        example: "hosts.txt", parse: cli::path, want: "the hostfile's path, in quotes",
+        example: "hosts.txt", parse: values::path, want: "the hostfile's path, in quotes",
         env: None, file: true, show: |p| p.display().to_string(), default: none,
     }
     /// Every machine's address, the main one first.
     hosts: Vec<String> {
         label: "machines by address", code: "", attribute: "",
         flag: None,
-        example: "node1,node2", parse: cli::names,
+        example: "node1,node2", parse: values::names,
         want: "a list of machine addresses, e.g. [\"node1\", \"node2\"]",
         env: None, file: true, show: |h| format!("[{}]", h.join(", ")), default: none,
     }
@@ -220,7 +221,7 @@ settings! {
             value_name: "count",
             help: "relaunch a failed job up to this many times (default 0); ranks see IVME_RESTART_COUNT",
         }),
-        example: "3", parse: cli::restarts, want: "a whole number of at least 0",
+        example: "3", parse: values::restarts, want: "a whole number of at least 0",
         env: None, file: true, show: text, default: || Some(0),
     }
     /// The deadline of every collective.
@@ -231,7 +232,7 @@ settings! {
             value_name: "duration",
             help: "deadline of each collective (90, 90s, 10m, 1h, 500ms), as IVME_COLLECTIVE_TIMEOUT seconds",
         }),
-        example: "10m", parse: cli::duration, want: env::DURATION_FORMS,
+        example: "10m", parse: values::duration, want: env::DURATION_FORMS,
         env: Some(Env {
             var: env::COLLECTIVE_TIMEOUT,
             read: true,
@@ -247,7 +248,7 @@ settings! {
             value_name: cli::SWITCH,
             help: "check that the ranks call the same collectives in the same order (IVME_DEBUG_SYNC=1)",
         }),
-        example: "", parse: cli::switch, want: "1 or 0 (also true/false)",
+        example: "", parse: values::switch, want: "1 or 0 (also true/false)",
         env: Some(Env { var: env::DEBUG_SYNC, read: true, to_ranks: |on| on.then(|| "1".into()) }),
         file: false, show: text, default: || Some(false),
     }
@@ -258,7 +259,7 @@ settings! {
             value_name: "list",
             help: "signals that stop the job for a preemption (default TERM,USR1; none), IVME_PREEMPT_SIGNALS",
         }),
-        example: "TERM,USR1", parse: cli::signals, want: env::PREEMPT_SIGNALS.values,
+        example: "TERM,USR1", parse: values::signals, want: env::PREEMPT_SIGNALS.values,
         env: Some(Env { var: env::PREEMPT_SIGNALS, read: true, to_ranks: passed }),
         file: false, show: text, default: || Some(ivme::preempt::DEFAULT_SIGNALS.into()),
     }
@@ -269,7 +270,7 @@ settings! {
             value_name: "duration",
             help: "how long a preempted rank may take to stop and save (default 25s), IVME_PREEMPT_GRACE",
         }),
-        example: "60s", parse: cli::duration, want: env::DURATION_FORMS,
+        example: "60s", parse: values::duration, want: env::DURATION_FORMS,
         env: Some(Env {
             var: env::PREEMPT_GRACE,
             read: true,
@@ -284,7 +285,7 @@ settings! {
             value_name: "code",
             help: "the launcher's exit code after a preemption, for a scheduler to requeue on (default 75)",
         }),
-        example: "75", parse: cli::exit_code, want: env::REQUEUE_EXIT_CODE.values,
+        example: "75", parse: values::exit_code, want: env::REQUEUE_EXIT_CODE.values,
         env: Some(Env { var: env::REQUEUE_EXIT_CODE, read: true, to_ranks: not_passed }),
         file: false, show: text,
         default: || Some(ivme::preempt::DEFAULT_REQUEUE_EXIT_CODE as u8),
@@ -297,7 +298,7 @@ settings! {
             value_name: "steps",
             help: "keep the training state in memory every N optimizer steps, for restarts (0: off), IVME_SNAPSHOT_EVERY",
         }),
-        example: "100", parse: cli::steps, want: env::SNAPSHOT_EVERY.values,
+        example: "100", parse: values::steps, want: env::SNAPSHOT_EVERY.values,
         env: Some(Env { var: env::SNAPSHOT_EVERY, read: true, to_ranks: passed }),
         file: true, show: text, default: || Some(0),
     }
