@@ -396,3 +396,67 @@ fn token_windows_take(
         .map(|b| Ok(b?.0.to_vec2::<u32>()?.iter().map(|r| r[0] / 8).collect()))
         .collect()
 }
+
+/// Prepares a loader over the token file at `file` (windows of 8 ids) in an Accelerator with
+/// the project `project`.
+fn token_run(
+    project: &std::path::Path,
+    file: &std::path::Path,
+) -> Result<(ivme::Accelerator, DataLoader<ivme::data::TokenFile>)> {
+    let mut acc = ivme::Accelerator::builder()
+        .cpu(true)
+        .project_dir(project)
+        .build()?;
+    let corpus = ivme::data::TokenFile::open(&[file], Some(ivme::data::TokenWidth::U16), 8)?;
+    let loader = acc.prepare(DataLoader::new(corpus, 4).shuffle(true).seed(2))?;
+    Ok((acc, loader))
+}
+
+#[test]
+fn a_data_file_changed_since_the_checkpoint_is_named_and_nothing_is_loaded() -> Result<()> {
+    let (dir, corpus) = token_corpus("changed", 400);
+    drop(corpus);
+    let file = dir.join("train.bin");
+    let project = dir.join("project");
+    let original = std::fs::read(&file).unwrap();
+    let (mut acc, mut loader) = token_run(&project, &file)?;
+    let taken = token_windows_take(&mut loader, 3)?;
+    let saved = acc.save_state(None)?;
+    let rest = token_windows(&mut loader)?;
+    drop((acc, loader));
+
+    // One id rewritten near the end: the same size, other bytes.
+    let mut edited = original.clone();
+    let at = edited.len() - 2;
+    edited[at] ^= 1;
+    std::fs::write(&file, &edited).unwrap();
+    let (mut acc, loader) = token_run(&project, &file)?;
+    let e = acc.load_state(Some(&saved)).unwrap_err();
+    let msg = e.to_string();
+    assert!(
+        msg.contains(&format!("the data file {} changed", file.display()))
+            && msg.contains("same size"),
+        "{msg}"
+    );
+    assert_eq!(e.checkpoint_kind(), Some(ivme::CheckpointErrorKind::Unfit));
+    // Nothing was loaded: the loader starts its first epoch from the start.
+    assert_eq!(loader.position().consumed, 0);
+
+    // Ids appended: another size.
+    let mut longer = original.clone();
+    longer.extend([0, 0]);
+    std::fs::write(&file, &longer).unwrap();
+    let (mut acc, _) = token_run(&project, &file)?;
+    let msg = acc.load_state(Some(&saved)).unwrap_err().to_string();
+    assert!(msg.contains("holds 802 bytes, 800 when"), "{msg}");
+
+    // The same bytes under another path resume where the saved run stopped.
+    let moved = dir.join("moved.bin");
+    std::fs::write(&moved, &original).unwrap();
+    let (mut acc, mut loader) = token_run(&project, &moved)?;
+    acc.load_state(Some(&saved))?;
+    assert_eq!(token_windows(&mut loader)?, rest);
+    assert_eq!(taken.len(), 3);
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}

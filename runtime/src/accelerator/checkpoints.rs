@@ -136,11 +136,15 @@ impl Accelerator {
                 components.push(component(Kind::Optimizer.name(i), o.state_dict()?));
             }
         }
-        for (i, l) in self.data.loaders().iter().enumerate() {
+        let loaders = self.data.loaders().iter().zip(self.data.loader_files());
+        for (i, (l, files)) in loaders.enumerate() {
+            let mut json = serde_json::to_value(*l.lock())?;
+            // Beside the position, the files it counts in: a resume checks they are the same.
+            json["files"] = serde_json::to_value(files)?;
             components.push(Component {
                 name: Kind::Loader.name(i),
                 tensors: vec![],
-                json: serde_json::to_value(*l.lock())?,
+                json,
             });
         }
         components.push(Component {

@@ -52,13 +52,14 @@ impl<D: Dataset> Prepare for DataLoader<D> {
     type Output = DataLoader<D>;
     fn prepare_with(mut self, accelerator: &mut Accelerator) -> Result<Self::Output> {
         let observer: Arc<dyn StepObserver> = accelerator.gradient_state();
+        let files = self.dataset().files()?;
         let position = self.attach(
             accelerator.process_index(),
             accelerator.num_processes(),
             accelerator.device().clone(),
             Some(observer),
         )?;
-        accelerator.data.add_loader(position);
+        accelerator.data.add_loader(position, files);
         Ok(self)
     }
 }

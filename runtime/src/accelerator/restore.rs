@@ -30,8 +30,8 @@ use crate::checkpoint::plan::Refusal;
 use crate::checkpoint::store;
 use crate::checkpoint::swap;
 use crate::checkpoint::RankState;
-use crate::data::LoaderPosition;
 use crate::data::LoopPosition;
+use crate::data::{same_files, DataFile, LoaderPosition};
 use crate::error::CheckpointErrorKind;
 use crate::error::{Error, Result};
 use crate::precision::scaler::LossScaler;
@@ -213,8 +213,19 @@ impl Accelerator {
         for i in 0..self.data.loaders().len() {
             let name = Kind::Loader.name(i);
             let what = "a data loader position (epoch, seed, consumed)";
+            let json = parse(&name, what)?;
             let pos: LoaderPosition =
-                serde_json::from_value(parse(&name, what)?).map_err(|e| typed(&name, what, e))?;
+                serde_json::from_value(json.clone()).map_err(|e| typed(&name, what, e))?;
+            // Checkpoints from before data files were fingerprinted have none to compare.
+            if let Some(saved) = json.get("files") {
+                let what = "a list of data file fingerprints";
+                let saved: Vec<DataFile> =
+                    serde_json::from_value(saved.clone()).map_err(|e| typed(&name, what, e))?;
+                same_files(&saved, &self.data.loader_files()[i]).map_err(|msg| {
+                    let msg = format!("data loader {i}: {msg}");
+                    Refusal::Unfit(Error::checkpoint(dir, CheckpointErrorKind::Unfit, msg))
+                })?;
+            }
             loaders.push(if moved { pos.for_new_world()? } else { pos });
         }
         let what = "an RNG state (a 32-byte seed and a word position)";

@@ -2,6 +2,7 @@
 
 use candle_core::{Device, Tensor};
 
+use super::DataFile;
 use crate::{Error, Result};
 
 /// A finite, indexable collection of samples that knows how to turn some of them into a batch.
@@ -25,6 +26,14 @@ pub trait Dataset {
 
     /// Returns sample `index` (`index < len()`).
     fn get(&self, index: usize) -> Result<Self::Item>;
+
+    /// Fingerprints the files the samples are read from, in order (none for data in memory,
+    /// the default). A prepared loader's position is saved with them, and a resume refuses a
+    /// checkpoint whose files differ from these, naming the file: the saved position would
+    /// read other samples.
+    fn files(&self) -> Result<Vec<DataFile>> {
+        Ok(Vec::new())
+    }
 
     /// Combines samples, in the given order, into one batch placed on `device`.
     fn collate(&self, items: Vec<Self::Item>, device: &Device) -> Result<Self::Batch>;

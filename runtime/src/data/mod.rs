@@ -2,6 +2,7 @@
 //! placement and a resumable position.
 
 mod dataset;
+mod files;
 mod loader;
 mod loop_position;
 mod packed;
@@ -13,6 +14,8 @@ mod text_lines;
 mod token_file;
 
 pub use dataset::{Dataset, TensorColumns, TensorDataset};
+pub(crate) use files::same_files;
+pub use files::DataFile;
 pub use loader::{Batches, DataLoader};
 #[doc(hidden)]
 pub use loop_position::{LoopCursor, LoopPosition};

@@ -3,7 +3,7 @@
 //! stream in their given order, and window `i` is `seq_len + 1` ids of that stream starting at
 //! `i * seq_len` (the inputs and their next-token targets).
 
-use super::Dataset;
+use super::{DataFile, Dataset};
 use crate::{Error, Result};
 use candle_core::{Device, Tensor};
 
@@ -162,6 +162,10 @@ impl<D: Dataset> Dataset for Packed<D> {
             )));
         }
         self.window(index)
+    }
+
+    fn files(&self) -> Result<Vec<DataFile>> {
+        self.docs.files()
     }
 
     fn collate(&self, items: Vec<Vec<u32>>, device: &Device) -> Result<(Tensor, Tensor)> {

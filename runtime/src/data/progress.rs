@@ -2,7 +2,7 @@
 //! attribute's loop cursor. One part of the [`Accelerator`](crate::Accelerator), saved and
 //! restored with the training state.
 
-use super::LoaderPosition;
+use super::{DataFile, LoaderPosition};
 use crate::data::LoopCursor;
 use crate::rng::{mix, Rng};
 use crate::stateful::Shared;
@@ -15,6 +15,8 @@ pub(crate) struct DataProgress {
     init_seed: AtomicU64,
     rng: Shared<Rng>,
     loaders: Vec<Shared<LoaderPosition>>,
+    /// The fingerprints of each prepared loader's files, taken when it was prepared.
+    loader_files: Vec<Vec<DataFile>>,
     loop_cursor: Shared<LoopCursor>,
 }
 
@@ -27,6 +29,7 @@ impl DataProgress {
             init_seed: AtomicU64::new(seed),
             rng: Shared::new(Rng::new(mix(seed, rank as u64))),
             loaders: Vec::new(),
+            loader_files: Vec::new(),
             loop_cursor: Shared::new(Default::default()),
         }
     }
@@ -57,9 +60,15 @@ impl DataProgress {
         &self.loaders
     }
 
-    /// Adds a prepared loader's position.
-    pub(crate) fn add_loader(&mut self, position: Shared<LoaderPosition>) {
+    /// The fingerprints of each prepared loader's files, in preparation order.
+    pub(crate) fn loader_files(&self) -> &[Vec<DataFile>] {
+        &self.loader_files
+    }
+
+    /// Adds a prepared loader's position and the fingerprints of the files it reads.
+    pub(crate) fn add_loader(&mut self, position: Shared<LoaderPosition>, files: Vec<DataFile>) {
         self.loaders.push(position);
+        self.loader_files.push(files);
     }
 
     /// The position of the attribute's loops over plain collections.

@@ -1,7 +1,7 @@
 //! Text and JSONL files on disk, one sample per line, read line by line, never whole: a line
 //! index (the byte offset where each line starts) is built once per file and cached beside it.
 
-use super::Dataset;
+use super::{DataFile, Dataset};
 use crate::checkpoint::fsio::io_at;
 use crate::{Error, Result};
 use candle_core::Device;
@@ -99,6 +99,13 @@ impl Dataset for TextLines {
 
     fn len(&self) -> usize {
         self.len
+    }
+
+    fn files(&self) -> Result<Vec<DataFile>> {
+        self.parts
+            .iter()
+            .map(|p| DataFile::of(&p.path, &p.file))
+            .collect()
     }
 
     fn get(&self, index: usize) -> Result<String> {

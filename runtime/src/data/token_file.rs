@@ -1,7 +1,7 @@
 //! Pre-tokenized corpora on disk: the flat token files of nanoGPT (`np.uint16` ids, no header)
 //! and llm.c (a 1 KiB header, then u16 or u32 ids), read window by window, never whole.
 
-use super::Dataset;
+use super::{DataFile, Dataset};
 use crate::{Error, Result};
 use candle_core::{Device, Tensor};
 use std::fs::File;
@@ -230,6 +230,13 @@ impl Dataset for TokenFile {
             )));
         }
         self.window(index)
+    }
+
+    fn files(&self) -> Result<Vec<DataFile>> {
+        self.parts
+            .iter()
+            .map(|p| DataFile::of(&p.path, &p.file))
+            .collect()
     }
 
     fn collate(&self, items: Vec<Vec<u32>>, device: &Device) -> Result<(Tensor, Tensor)> {
