@@ -9,6 +9,8 @@
 use crate::cli::Parsed;
 use crate::faults;
 use crate::flags::LaunchArgs;
+use crate::hosts::Hosts;
+use crate::lost::{self, LostMachines};
 use crate::mpirun::{Flavor, Mpirun};
 use crate::plan::{Context, Invocation, LaunchPlan, Machine};
 use crate::process::{self, Outcome};
@@ -17,7 +19,7 @@ use crate::report;
 use crate::settings::Location;
 use ivme::{Error, Result};
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Stdio};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 /// Removes a folder of the launch (the status folder, the snapshots) however the launch ends.
@@ -145,7 +147,8 @@ pub fn main(words: &[String]) -> Result<i32> {
     let snapshots = StatusDir(snapshot_dir());
     loop {
         let inv = plan.invocation(&ctx)?;
-        let (code, cause) = match run_once(&inv, &preempt, &snapshots.0)? {
+        let machines = plan.hosts.as_ref().map(|h| (h, plan.num_processes));
+        let (code, cause) = match run_once(&inv, &preempt, &snapshots.0, machines)? {
             Ended::Done(code) => return Ok(code),
             Ended::Failed(code, cause) => (code, cause),
             Ended::Recurs(code, note) => {
@@ -204,8 +207,15 @@ enum Ended {
     Recurs(i32, String),
 }
 
-/// Runs the job once, in a fresh status folder, and reports how it went.
-fn run_once(inv: &Invocation, preempt: &Preemption, snapshots: &Path) -> Result<Ended> {
+/// Runs the job once, in a fresh status folder, and reports how it went; `machines` (the
+/// machines of a multi-machine job and its number of processes) lets the report name a
+/// machine that mpirun lost.
+fn run_once(
+    inv: &Invocation,
+    preempt: &Preemption,
+    snapshots: &Path,
+    machines: Option<(&Hosts, usize)>,
+) -> Result<Ended> {
     // A program started directly notes a preemption in a folder of its own.
     let notes = inv.status_dir.clone().unwrap_or_else(fresh_status_dir);
     let _cleanup = StatusDir(notes.clone());
@@ -226,12 +236,35 @@ fn run_once(inv: &Invocation, preempt: &Preemption, snapshots: &Path) -> Result<
             cmd.env(SESSION_DIR_VAR, dir);
         }
     }
-    let outcome = process::supervise(&mut cmd, &preempt.supervise)
-        .map_err(|e| Error::io(format!("starting `{}`", inv.argv[0]), e))?;
+    // Across machines, mpirun's messages pass through the launcher, which notes the machines
+    // they say were lost.
+    if machines.is_some() {
+        cmd.stderr(Stdio::piped());
+    }
+    let mut watch = None;
+    let failed = |dir: &Path| Failure::read_all(dir).is_ok_and(|f| !f.is_empty());
+    let failed = inv.status_dir.as_deref().map(|dir| move || failed(dir));
+    let started = |child: &mut std::process::Child| {
+        watch = child.stderr.take().map(LostMachines::watch);
+    };
+    let outcome = process::supervise_with(
+        &mut cmd,
+        &preempt.supervise,
+        started,
+        failed.as_ref().map(|f| f as &dyn Fn() -> bool),
+    )
+    .map_err(|e| Error::io(format!("starting `{}`", inv.argv[0]), e))?;
+    let lost = watch.map(LostMachines::finish).unwrap_or_default();
     if let Some(code) = faults::preempted(&notes, outcome.code, preempt.requeue) {
         return Ok(Ended::Done(code));
     }
-    report(inv, outcome)
+    let ended = report(inv, outcome)?;
+    if let (Some((hosts, n)), Ended::Failed(..) | Ended::Recurs(..)) = (machines, &ended) {
+        if let Some(said) = lost::describe(&lost, hosts, n) {
+            eprintln!("{said}");
+        }
+    }
+    Ok(ended)
 }
 
 /// Open MPI's parameter for the folder its session files go under.

@@ -13,6 +13,7 @@ mod flags;
 mod hosts;
 mod invocation;
 mod launch;
+mod lost;
 mod machines;
 mod merge_cmd;
 mod mpirun;

@@ -251,8 +251,25 @@ pub struct Preempt {
 /// `preempt` is passed on as the relay signal; a child still running `grace` (and a few
 /// seconds more) after it is killed.
 pub fn supervise(cmd: &mut Command, preempt: &Preempt) -> std::io::Result<Outcome> {
+    supervise_with(cmd, preempt, |_| {}, None)
+}
+
+/// How long mpirun may take to end the job once a rank failed: past it, mpirun is waiting for
+/// a machine it cannot reach (a link that went down), and is stopped.
+pub const TEARDOWN: Duration = Duration::from_secs(10);
+
+/// [`supervise`], handing the child to `started` right after it starts (to take its piped
+/// output, say); with `failed` (whether a rank has recorded a failure), a child still
+/// running [`TEARDOWN`] after the first failure is killed.
+pub fn supervise_with(
+    cmd: &mut Command,
+    preempt: &Preempt,
+    started: impl FnOnce(&mut Child),
+    failed: Option<&dyn Fn() -> bool>,
+) -> std::io::Result<Outcome> {
     die_with_parent(cmd);
     let mut child: Child = cmd.spawn()?;
+    started(&mut child);
     #[cfg(unix)]
     {
         CHILD.store(child.id() as i32, Ordering::SeqCst);
@@ -281,23 +298,61 @@ pub fn supervise(cmd: &mut Command, preempt: &Preempt) -> std::io::Result<Outcom
             }
         }
     }
-    let status = wait_within_grace(&mut child, preempt.grace);
+    let status = wait_within_grace(&mut child, preempt.grace, failed);
     CHILD.store(0, Ordering::SeqCst);
     status.map(Outcome::of)
 }
 
-/// Waits for `child`; once a preemption came, for at most `grace` and 5 s more, then kills it.
-fn wait_within_grace(child: &mut Child, grace: Option<Duration>) -> std::io::Result<ExitStatus> {
-    let Some(grace) = grace else {
-        return child.wait();
+/// Every process below `root` (children first found, then theirs), from /proc; empty where
+/// there is no /proc.
+fn descendants(root: u32) -> Vec<u32> {
+    let parent_of = |pid: u32| -> Option<u32> {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        // The fields after the command name, which may hold spaces, closed by its last ')'.
+        let rest = &stat[stat.rfind(')')? + 2..];
+        rest.split(' ').nth(1)?.parse().ok()
     };
-    let mut since: Option<std::time::Instant> = None;
-    loop {
+    let pids: Vec<(u32, u32)> = std::fs::read_dir("/proc")
+        .map(|d| {
+            d.flatten()
+                .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+                .filter_map(|pid| Some((pid, parent_of(pid)?)))
+                .collect()
+        })
+        .unwrap_or_default();
+    let mut found = vec![root];
+    let mut i = 0;
+    while i < found.len() {
+        let parent = found[i];
+        found.extend(
+            pids.iter()
+                .filter(|(_, p)| *p == parent)
+                .map(|(pid, _)| *pid),
+        );
+        i += 1;
+    }
+    found.remove(0);
+    found
+}
+
+/// Waits for `child`; once a preemption came, for at most `grace` and 5 s more, and once
+/// `failed` says a rank failed, for at most [`TEARDOWN`]; then kills it.
+fn wait_within_grace(
+    child: &mut Child,
+    grace: Option<Duration>,
+    failed: Option<&dyn Fn() -> bool>,
+) -> std::io::Result<ExitStatus> {
+    if grace.is_none() && failed.is_none() {
+        return child.wait();
+    }
+    let mut preempted_at: Option<std::time::Instant> = None;
+    let mut failed_at: Option<std::time::Instant> = None;
+    for tick in 0u64.. {
         if let Some(status) = child.try_wait()? {
             return Ok(status);
         }
-        if preempted_by().is_some() {
-            let at = *since.get_or_insert_with(std::time::Instant::now);
+        if let (Some(grace), Some(_)) = (grace, preempted_by()) {
+            let at = *preempted_at.get_or_insert_with(std::time::Instant::now);
             if at.elapsed() > grace + Duration::from_secs(5) {
                 eprintln!(
                     "ivme: the job did not stop within the preemption grace period ({} s); \
@@ -308,13 +363,56 @@ fn wait_within_grace(child: &mut Child, grace: Option<Duration>) -> std::io::Res
                 return child.wait();
             }
         }
+        // The status folder is read ten times a second, not at every tick.
+        if let Some(failed) = failed.filter(|_| failed_at.is_none() && tick % 10 == 0) {
+            if failed() {
+                failed_at = Some(std::time::Instant::now());
+            }
+        }
+        if failed_at.is_some_and(|at| at.elapsed() > TEARDOWN) {
+            eprintln!(
+                "ivme: mpirun did not end the job within {} s of the first rank failure (it \
+                 cannot reach a machine?); stopping it",
+                TEARDOWN.as_secs()
+            );
+            // Its children too: an ssh to an unreachable machine would wait for TCP's
+            // own timeout, minutes away.
+            for pid in descendants(child.id()) {
+                // SAFETY: kill has no memory effects; a pid gone meanwhile is an error ignored.
+                unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+            }
+            let _ = child.kill();
+            return child.wait();
+        }
         std::thread::sleep(Duration::from_millis(10));
     }
+    unreachable!("the loop above returns")
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_processes_below_a_child_are_found() {
+        let mut child = Command::new("sh")
+            .args(["-c", "sleep 30 & sleep 30 & wait"])
+            .spawn()
+            .unwrap();
+        let mut below = Vec::new();
+        for _ in 0..100 {
+            below = descendants(child.id());
+            if below.len() == 2 {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert_eq!(below.len(), 2, "{below:?}");
+        for pid in below {
+            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+        }
+        assert!(child.wait().unwrap().success());
+    }
 
     #[test]
     fn quoting_round_trips_through_sh() {
