@@ -98,7 +98,12 @@ EOF
     ip -n "$m" link set "v$i" up
     if [ -n "$netem" ]; then
       # shellcheck disable=SC2086
-      ip netns exec "$m" tc qdisc add dev "v$i" root netem $netem
+      if ! ip netns exec "$m" tc qdisc add dev "v$i" root netem $netem 2>"$DIR/tc.err"; then
+        local why
+        why=$(cat "$DIR/tc.err")
+        down
+        skip "tc netem $netem: $why (this kernel may lack the sch_netem module)"
+      fi
     fi
     cat >"$DIR/sshd_$i.conf" <<EOF
 ListenAddress $addr
