@@ -13,8 +13,10 @@
 //!
 //! Arguments (all optional): `dir=DIR` (the corpus and the checkpoints, default
 //! `llama_corpus_run`), `epochs=N` (2), `stop_after=K` (return after the K-th optimizer step of
-//! this run, as a crash would), `data=tokens|lines` (the token file through `TokenFile`, or the
-//! text's lines packed with a newline separator through `Packed`: the same stream of ids),
+//! this run, as a crash would), `data=tokens|lines|parquet|arrow` (the token file through
+//! `TokenFile`; or the text's lines packed with a newline separator through `Packed`, read from
+//! the text, from a Parquet file of the lines' ids, or from a Hugging Face style cache folder of
+//! Arrow files: the same stream of ids),
 //! `seen=DIR` (each process appends the line number that starts each window it trains on, per
 //! epoch, to `DIR/rank{R}.txt`, and how many rows of its last batch were padding).
 
@@ -25,16 +27,21 @@ mod bytes_llama;
 #[path = "support/init.rs"]
 mod init;
 
+use arrow_array::builder::{ListBuilder, UInt16Builder};
+use arrow_array::{ArrayRef, RecordBatch, StringArray};
 use bytes_llama::{config, loss_of};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{Optimizer, VarBuilder, VarMap};
 use candle_transformers::models::llama;
-use ivme::data::{DataLoader, Dataset, Packed, TextLines, TokenFile, TokenWidth};
+use ivme::data::{
+    ArrowFiles, DataLoader, Dataset, Packed, ParquetFiles, Row, TextLines, TokenFile, TokenWidth,
+};
 use ivme::optim::{AdamW, ParamsAdamW};
 use ivme::{Accelerator, Error};
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 /// Bytes of context per window: one line of the corpus.
 const CONTEXT: usize = 32;
@@ -80,6 +87,66 @@ fn write_corpus(dir: &Path) -> ivme::Result<()> {
             std::fs::rename(&part, &path).map_err(io("writing the corpus"))?;
         }
     }
+    write_tables(dir, &text)
+}
+
+/// Writes the text's lines as a table (`line`: the text, `ids`: its bytes as u16 ids, newline
+/// left out) to `corpus.parquet` (row groups of 50 lines) and to a Hugging Face style cache
+/// folder `hf/` (two stream-format Arrow shards of the `train` split).
+fn write_tables(dir: &Path, text: &str) -> ivme::Result<()> {
+    let fail = |e: &dyn std::fmt::Display| Error::Usage(format!("writing the corpus tables: {e}"));
+    let lines: Vec<&str> = text.lines().collect();
+    let table = |lines: &[&str]| -> ivme::Result<RecordBatch> {
+        let mut ids = ListBuilder::new(UInt16Builder::new());
+        for line in lines {
+            ids.values()
+                .append_slice(&line.bytes().map(u16::from).collect::<Vec<_>>());
+            ids.append(true);
+        }
+        RecordBatch::try_from_iter([
+            (
+                "line",
+                Arc::new(StringArray::from(lines.to_vec())) as ArrayRef,
+            ),
+            ("ids", Arc::new(ids.finish()) as ArrayRef),
+        ])
+        .map_err(|e| fail(&e))
+    };
+    let parquet = dir.join("corpus.parquet");
+    if !parquet.exists() {
+        let part = dir.join("corpus.parquet.part");
+        let file = std::fs::File::create(&part).map_err(|e| fail(&e))?;
+        let props = parquet::file::properties::WriterProperties::builder()
+            .set_max_row_group_row_count(Some(50))
+            .build();
+        let batch = table(&lines)?;
+        let mut w = parquet::arrow::ArrowWriter::try_new(file, batch.schema(), Some(props))
+            .map_err(|e| fail(&e))?;
+        w.write(&batch).map_err(|e| fail(&e))?;
+        w.close().map_err(|e| fail(&e))?;
+        std::fs::rename(&part, &parquet).map_err(|e| fail(&e))?;
+    }
+    let hf = dir.join("hf");
+    if !hf.exists() {
+        let part = dir.join("hf.part");
+        std::fs::create_dir_all(&part).map_err(|e| fail(&e))?;
+        let half = lines.len() / 2;
+        for (k, shard) in [&lines[..half], &lines[half..]].into_iter().enumerate() {
+            let path = part.join(format!("corpus-train-{k:05}-of-00002.arrow"));
+            let file = std::fs::File::create(&path).map_err(|e| fail(&e))?;
+            let batch = table(shard)?;
+            let mut w = arrow_ipc::writer::StreamWriter::try_new(file, &batch.schema())
+                .map_err(|e| fail(&e))?;
+            // Batches of 40 lines, as a cache holds several per shard.
+            for at in (0..batch.num_rows()).step_by(40) {
+                let n = 40.min(batch.num_rows() - at);
+                w.write(&batch.slice(at, n)).map_err(|e| fail(&e))?;
+            }
+            w.finish().map_err(|e| fail(&e))?;
+        }
+        std::fs::write(part.join("dataset_info.json"), "{}").map_err(|e| fail(&e))?;
+        std::fs::rename(&part, &hf).map_err(|e| fail(&e))?;
+    }
     Ok(())
 }
 
@@ -94,6 +161,8 @@ fn line_of(window: &[u32]) -> usize {
 enum Corpus {
     Tokens(TokenFile),
     Lines(Packed<TextLines>),
+    Parquet(Packed<ParquetFiles>),
+    Arrow(Packed<ArrowFiles>),
 }
 
 impl Dataset for Corpus {
@@ -104,6 +173,8 @@ impl Dataset for Corpus {
         match self {
             Corpus::Tokens(c) => c.len(),
             Corpus::Lines(c) => c.len(),
+            Corpus::Parquet(c) => c.len(),
+            Corpus::Arrow(c) => c.len(),
         }
     }
 
@@ -111,6 +182,8 @@ impl Dataset for Corpus {
         match self {
             Corpus::Tokens(c) => c.get(index),
             Corpus::Lines(c) => c.get(index),
+            Corpus::Parquet(c) => c.get(index),
+            Corpus::Arrow(c) => c.get(index),
         }
     }
 
@@ -118,6 +191,8 @@ impl Dataset for Corpus {
         match self {
             Corpus::Tokens(c) => c.collate(items, device),
             Corpus::Lines(c) => c.collate(items, device),
+            Corpus::Parquet(c) => c.collate(items, device),
+            Corpus::Arrow(c) => c.collate(items, device),
         }
     }
 }
@@ -245,7 +320,22 @@ fn main() -> ivme::Result<()> {
             let bytes = |line: String| Ok(line.bytes().map(u32::from).collect());
             Corpus::Lines(Packed::new(lines, CONTEXT, Some(u32::from(b'\n')), bytes)?)
         }
-        other => return Err(Error::Usage(format!("data={other}: use tokens or lines"))),
+        // The tables hold each line's ids without its newline: the separator puts it back.
+        "parquet" => {
+            let rows = ParquetFiles::open(&[dir.join("corpus.parquet")], &["ids"])?;
+            let ids = |row: Row| row.ids("ids");
+            Corpus::Parquet(Packed::new(rows, CONTEXT, Some(u32::from(b'\n')), ids)?)
+        }
+        "arrow" => {
+            let rows = ArrowFiles::open_hf(dir.join("hf"), "train", &["ids"])?;
+            let ids = |row: Row| row.ids("ids");
+            Corpus::Arrow(Packed::new(rows, CONTEXT, Some(u32::from(b'\n')), ids)?)
+        }
+        other => {
+            return Err(Error::Usage(format!(
+                "data={other}: use tokens, lines, parquet or arrow"
+            )))
+        }
     };
     acc.print(format!(
         "{} windows of {CONTEXT} bytes on {} process(es)",

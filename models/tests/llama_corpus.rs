@@ -1,7 +1,8 @@
 //! The disk-corpus llama example (`models/examples/llama_corpus.rs`) on real processes: trained
 //! from its token file with prefetching on 2 processes, stopped mid-epoch and resumed on 3,
 //! every window of every epoch is trained on exactly once; the same text's lines packed by
-//! `Packed` give the same windows in the same order.
+//! `Packed`, read from the text, from a Parquet file and from a Hugging Face style folder of
+//! Arrow files, give the same windows in the same order.
 
 #[path = "../../tests/common/mod.rs"]
 mod common;
@@ -93,9 +94,11 @@ fn stopped_mid_epoch_on_2_processes_and_resumed_on_3_every_window_is_trained_onc
     }
     // Rank 2 joined on the resume: it trained only on the rest of epoch 0.
     assert!(!from_tokens[2][&0].is_empty() && from_tokens[2][&0].len() < WINDOWS / 3 + 8);
-    let from_lines = stopped_on_2_resumed_on_3("lines");
-    assert_eq!(
-        from_lines, from_tokens,
-        "the text's lines packed make the token file's windows, in the same order"
-    );
+    for data in ["lines", "parquet", "arrow"] {
+        assert_eq!(
+            stopped_on_2_resumed_on_3(data),
+            from_tokens,
+            "data={data}: the text's lines packed make the token file's windows, in order"
+        );
+    }
 }

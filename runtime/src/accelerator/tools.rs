@@ -79,7 +79,10 @@ impl Accelerator {
             (lo, Some(hi)) if lo == hi => Some(lo as u64),
             _ => None,
         };
-        progress(iter, len, self.is_main_process())
+        progress(iter, len, self.is_main_process()).with_samples(
+            self.training.window().samples().clone(),
+            self.num_processes(),
+        )
     }
 }
 

@@ -383,6 +383,7 @@ impl<D: Dataset> DataLoader<D> {
         if batch.is_ok() {
             if let Some(observer) = &self.observer {
                 observer.on_fetch(fetching.elapsed());
+                observer.on_samples(planned.indices.len().saturating_sub(planned.padding));
                 observer.on_batch(index, plan.len(), planned.padding);
             }
         }

@@ -10,6 +10,8 @@ mod position;
 mod prefetch;
 mod progress;
 pub mod sampler;
+#[cfg(any(feature = "arrow", feature = "parquet"))]
+mod table;
 mod text_lines;
 mod token_file;
 
@@ -22,6 +24,12 @@ pub use loop_position::{LoopCursor, LoopPosition};
 pub use packed::Packed;
 pub use position::LoaderPosition;
 pub(crate) use progress::DataProgress;
+#[cfg(feature = "arrow")]
+pub use table::ArrowFiles;
+#[cfg(feature = "parquet")]
+pub use table::ParquetFiles;
+#[cfg(any(feature = "arrow", feature = "parquet"))]
+pub use table::{Row, Value};
 pub use text_lines::TextLines;
 pub use token_file::{TokenFile, TokenWidth};
 
@@ -35,5 +43,11 @@ pub trait StepObserver: Send + Sync {
     /// Building the batch just handed out took `took` (for the step-time report).
     fn on_fetch(&self, took: std::time::Duration) {
         let _ = took;
+    }
+
+    /// The batch just handed out holds `samples` samples besides its padding (for the
+    /// progress bar's samples per second).
+    fn on_samples(&self, samples: usize) {
+        let _ = samples;
     }
 }

@@ -4,6 +4,7 @@
 
 use crate::data::StepObserver;
 use crate::observe::step_times::{Phase, StepClock};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// Where the current micro-batch sits in its accumulation window.
@@ -36,6 +37,9 @@ pub struct GradientState {
     cursor: Mutex<Cursor>,
     /// Where each step's time goes (observe/step_times.rs), fed by the loaders too.
     clock: Arc<StepClock>,
+    /// Samples the prepared loaders handed out on this process (padding aside), for the
+    /// progress bars' rate.
+    samples: Arc<AtomicU64>,
 }
 
 impl GradientState {
@@ -45,7 +49,13 @@ impl GradientState {
             accum: accum.max(1),
             cursor: Mutex::new(Cursor::default()),
             clock: Arc::default(),
+            samples: Arc::default(),
         }
+    }
+
+    /// The count of samples the prepared loaders handed out on this process.
+    pub(crate) fn samples(&self) -> &Arc<AtomicU64> {
+        &self.samples
     }
 
     /// The step-time totals this Accelerator's parts add to.
@@ -136,6 +146,10 @@ impl StepObserver for GradientState {
 
     fn on_fetch(&self, took: std::time::Duration) {
         self.clock.add(Phase::Data, took);
+    }
+
+    fn on_samples(&self, samples: usize) {
+        self.samples.fetch_add(samples as u64, Ordering::Relaxed);
     }
 }
 

@@ -1,0 +1,283 @@
+//! Parquet files as a data set: the footer read once per file, and for each batch only the
+//! rows it asks for, row group by row group.
+
+use super::{same_types, Columns, Offsets, Row};
+use crate::checkpoint::fsio::io_at;
+use crate::data::{DataFile, Dataset};
+use crate::{Error, Result};
+use arrow_array::RecordBatch;
+use bytes::Bytes;
+use candle_core::Device;
+use parquet::arrow::arrow_reader::{
+    ArrowReaderMetadata, ArrowReaderOptions, ParquetRecordBatchReaderBuilder, RowSelection,
+};
+use parquet::arrow::ProjectionMask;
+use parquet::file::reader::{ChunkReader, Length};
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::Read;
+use std::os::unix::fs::FileExt;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// One file: its footer, the columns to read, where its row groups start.
+#[derive(Debug)]
+struct Part {
+    path: PathBuf,
+    name: Arc<str>,
+    file: Pread,
+    meta: ArrowReaderMetadata,
+    mask: ProjectionMask,
+    groups: Offsets,
+}
+
+/// The rows of one or more Parquet files as samples: sample `i` is row `i` (counted over the
+/// files in order) of the chosen columns, as a [`Row`]; batches are `Vec<Row>`.
+///
+/// Opening reads each file's footer (its schema and row groups) and nothing else. A batch
+/// reads, for each row group its rows fall in, only the chosen columns and only the pages
+/// those rows need, with positioned reads (several prefetch workers can read one file at
+/// once). Snappy, zstd and LZ4 compression are read. Shuffled batches over large row groups
+/// decode more than they keep: `DataLoader::prefetch` hides that cost behind the step.
+///
+/// ```no_run
+/// # fn main() -> ivme::Result<()> {
+/// use ivme::data::{DataLoader, ParquetFiles};
+/// let rows = ParquetFiles::open(&["train-00000.parquet", "train-00001.parquet"], &["text"])?;
+/// let mut loader = DataLoader::new(rows, 32).shuffle(true).prefetch(2);
+/// for batch in loader.iter() {
+///     let texts: Vec<String> = batch?.iter().map(|r| r.text("text").map(String::from))
+///         .collect::<ivme::Result<_>>()?;
+/// #   let _ = texts;
+/// }
+/// # Ok(()) }
+/// ```
+#[derive(Debug)]
+pub struct ParquetFiles {
+    parts: Vec<Part>,
+    offsets: Offsets,
+    columns: Columns,
+}
+
+impl ParquetFiles {
+    /// Opens `paths` in order as one data set of the rows of `columns`.
+    ///
+    /// Refused, naming the file: a file that is not Parquet or whose footer is damaged or cut
+    /// off, a missing column, a column of a type a [`Value`](super::Value) cannot hold, and a
+    /// column whose type differs from the first file's. A damaged page is found when a batch
+    /// reads it, and that batch fails naming the file and row group.
+    pub fn open<P: AsRef<Path>, S: AsRef<str>>(paths: &[P], columns: &[S]) -> Result<ParquetFiles> {
+        let columns = Columns::new(columns, "ParquetFiles")?;
+        if paths.is_empty() {
+            return Err(Error::Usage(
+                "ParquetFiles::open needs at least one file".into(),
+            ));
+        }
+        let mut parts = Vec::with_capacity(paths.len());
+        let mut offsets = Offsets::default();
+        let mut first: Option<(arrow_schema::SchemaRef, PathBuf)> = None;
+        for p in paths {
+            let path = p.as_ref().to_path_buf();
+            let file = Pread(Arc::new(
+                File::open(&path).map_err(io_at("opening", &path))?,
+            ));
+            let meta = guarded(|| ArrowReaderMetadata::load(&file, ArrowReaderOptions::new()))
+                .map_err(|e| {
+                    Error::Usage(format!(
+                        "{} cannot be read as a Parquet file: {e}",
+                        path.display()
+                    ))
+                })?;
+            let schema = meta.schema().clone();
+            let at = columns.find_in(&schema, &path)?;
+            let chosen = Arc::new(
+                schema
+                    .project(&at)
+                    .map_err(|e| Error::Usage(format!("{}: {e}", path.display())))?,
+            );
+            match &first {
+                None => first = Some((chosen, path.clone())),
+                Some((schema0, path0)) => same_types(schema0, path0, &chosen, &path)?,
+            }
+            let descr = meta.metadata().file_metadata().schema_descr();
+            let mask = ProjectionMask::roots(descr, at);
+            let mut groups = Offsets::default();
+            for g in meta.metadata().row_groups() {
+                groups.push(g.num_rows().max(0) as usize);
+            }
+            offsets.push(groups.len());
+            parts.push(Part {
+                name: path.display().to_string().into(),
+                path,
+                file,
+                meta,
+                mask,
+                groups,
+            });
+        }
+        Ok(ParquetFiles {
+            parts,
+            offsets,
+            columns,
+        })
+    }
+
+    /// Returns the chosen column names.
+    pub fn columns(&self) -> &[String] {
+        self.columns.names()
+    }
+
+    /// Reads rows `rows` (ascending, distinct) of row group `g` of file `k`.
+    fn read_group(&self, k: usize, g: usize, rows: &[usize]) -> Result<Vec<Row>> {
+        let part = &self.parts[k];
+        let first = part.groups.firsts[g];
+        let in_group = part.groups.firsts[g + 1] - first;
+        let fail = |e: String| {
+            Error::Usage(format!(
+                "row group {g} of {} cannot be read: {e}",
+                part.path.display()
+            ))
+        };
+        let batches: Vec<RecordBatch> = guarded(|| {
+            let selection =
+                RowSelection::from_consecutive_ranges(rows.iter().map(|&r| r..r + 1), in_group);
+            let reader = ParquetRecordBatchReaderBuilder::new_with_metadata(
+                part.file.clone(),
+                part.meta.clone(),
+            )
+            .with_row_groups(vec![g])
+            .with_projection(part.mask.clone())
+            .with_row_selection(selection)
+            .with_batch_size(rows.len().max(1))
+            .build()?;
+            reader
+                .collect::<std::result::Result<Vec<_>, _>>()
+                .map_err(parquet::errors::ParquetError::from)
+        })
+        .map_err(fail)?;
+        let mut out = Vec::with_capacity(rows.len());
+        let mut next = rows.iter();
+        for batch in &batches {
+            for at in 0..batch.num_rows() {
+                let Some(&r) = next.next() else { break };
+                out.push(self.columns.row_of(batch, at, &part.name, first + r)?);
+            }
+        }
+        if out.len() != rows.len() {
+            return Err(fail(format!(
+                "it gave {} of the {} rows asked for",
+                out.len(),
+                rows.len()
+            )));
+        }
+        Ok(out)
+    }
+}
+
+impl Dataset for ParquetFiles {
+    type Item = Row;
+    type Batch = Vec<Row>;
+
+    fn len(&self) -> usize {
+        self.offsets.len()
+    }
+
+    fn get(&self, index: usize) -> Result<Row> {
+        let mut rows = self.get_batch(&[index], &Device::Cpu)?;
+        rows.pop()
+            .ok_or_else(|| Error::Usage(format!("ParquetFiles: row {index} was not read")))
+    }
+
+    fn files(&self) -> Result<Vec<DataFile>> {
+        self.parts
+            .iter()
+            .map(|p| DataFile::of(&p.path, &p.file.0))
+            .collect()
+    }
+
+    fn collate(&self, items: Vec<Row>, _device: &Device) -> Result<Vec<Row>> {
+        Ok(items)
+    }
+
+    /// Reads each row group the batch touches once, for just the rows it needs.
+    fn get_batch(&self, indices: &[usize], _device: &Device) -> Result<Vec<Row>> {
+        // (file, row group) -> the rows wanted there, and the batch places that want each.
+        let mut wanted: BTreeMap<(usize, usize), BTreeMap<usize, Vec<usize>>> = BTreeMap::new();
+        for (place, &index) in indices.iter().enumerate() {
+            self.offsets.check(index, "ParquetFiles")?;
+            let (k, row) = self.offsets.locate(index);
+            let (g, r) = self.parts[k].groups.locate(row);
+            wanted
+                .entry((k, g))
+                .or_default()
+                .entry(r)
+                .or_default()
+                .push(place);
+        }
+        let mut out: Vec<Option<Row>> = vec![None; indices.len()];
+        for ((k, g), rows) in wanted {
+            let numbers: Vec<usize> = rows.keys().copied().collect();
+            let read = self.read_group(k, g, &numbers)?;
+            for (row, places) in read.into_iter().zip(rows.into_values()) {
+                for place in places {
+                    out[place] = Some(row.clone());
+                }
+            }
+        }
+        out.into_iter()
+            .map(|r| r.ok_or_else(|| Error::Usage("ParquetFiles: a row was not read".into())))
+            .collect()
+    }
+}
+
+/// Runs a Parquet read, turning an error or a panic on damaged data into a message.
+fn guarded<T>(read: impl FnOnce() -> parquet::errors::Result<T>) -> std::result::Result<T, String> {
+    match catch_unwind(AssertUnwindSafe(read)) {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(_) => Err("the decoder stopped on inconsistent data".into()),
+    }
+}
+
+/// A file read with positioned reads only, so that threads reading it at once never share a
+/// file offset (the `File` reader of the parquet crate seeks a shared one).
+#[derive(Clone, Debug)]
+struct Pread(Arc<File>);
+
+/// A reader from one place of a [`Pread`] file onwards.
+struct PreadFrom {
+    file: Arc<File>,
+    at: u64,
+}
+
+impl Read for PreadFrom {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.file.read_at(buf, self.at)?;
+        self.at += n as u64;
+        Ok(n)
+    }
+}
+
+impl Length for Pread {
+    fn len(&self) -> u64 {
+        self.0.metadata().map(|m| m.len()).unwrap_or(0)
+    }
+}
+
+impl ChunkReader for Pread {
+    type T = PreadFrom;
+
+    fn get_read(&self, start: u64) -> parquet::errors::Result<PreadFrom> {
+        Ok(PreadFrom {
+            file: self.0.clone(),
+            at: start,
+        })
+    }
+
+    fn get_bytes(&self, start: u64, length: usize) -> parquet::errors::Result<Bytes> {
+        let mut buf = vec![0u8; length];
+        self.0.read_exact_at(&mut buf, start)?;
+        Ok(buf.into())
+    }
+}
