@@ -127,16 +127,28 @@ impl TokenFile {
         self.windows = at;
     }
 
-    /// The `seq_len + 1` token ids of window `index`.
-    fn window(&self, index: usize) -> Result<Vec<u32>> {
+    /// The file holding window `index` and the byte offset where the window starts.
+    fn place(&self, index: usize) -> Result<(&Part, u64)> {
+        if index >= self.windows {
+            return Err(Error::Usage(format!(
+                "token window {index} is past the end ({} windows)",
+                self.windows
+            )));
+        }
         let k = self.parts.partition_point(|p| p.first_window <= index) - 1;
         let p = &self.parts[k];
         let first = (index - p.first_window) as u64 * self.stride as u64;
+        Ok((p, p.start + first * p.width.bytes()))
+    }
+
+    /// The `seq_len + 1` token ids of window `index`.
+    fn window(&self, index: usize) -> Result<Vec<u32>> {
+        let (p, at) = self.place(index)?;
         let n = self.seq_len + 1;
         let w = p.width.bytes();
         let mut bytes = vec![0u8; n * w as usize];
         p.file
-            .read_exact_at(&mut bytes, p.start + first * w)
+            .read_exact_at(&mut bytes, at)
             .map_err(|e| Error::io(format!("reading tokens from {}", p.path.display()), e))?;
         Ok(match p.width {
             TokenWidth::U16 => bytes
@@ -242,6 +254,43 @@ impl Dataset for TokenFile {
     fn collate(&self, items: Vec<Vec<u32>>, device: &Device) -> Result<(Tensor, Tensor)> {
         next_token_batch(&items, self.seq_len, device)
     }
+
+    /// Reads each window into one reused buffer and decodes it straight into the inputs and
+    /// targets: no vector per window.
+    fn get_batch(&self, indices: &[usize], device: &Device) -> Result<(Tensor, Tensor)> {
+        let (b, t) = (indices.len(), self.seq_len);
+        let mut inputs = Vec::with_capacity(b * t);
+        let mut targets = Vec::with_capacity(b * t);
+        let mut bytes = Vec::new();
+        for &index in indices {
+            let (p, at) = self.place(index)?;
+            let w = p.width.bytes() as usize;
+            bytes.resize((t + 1) * w, 0);
+            p.file
+                .read_exact_at(&mut bytes, at)
+                .map_err(|e| Error::io(format!("reading tokens from {}", p.path.display()), e))?;
+            let from = inputs.len();
+            match p.width {
+                TokenWidth::U16 => inputs.extend(
+                    bytes
+                        .chunks_exact(2)
+                        .map(|b| u16::from_le_bytes([b[0], b[1]]) as u32),
+                ),
+                TokenWidth::U32 => inputs.extend(
+                    bytes
+                        .chunks_exact(4)
+                        .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+                ),
+            }
+            // The window's t + 1 ids: the first t are inputs, the last t the targets.
+            targets.extend_from_slice(&inputs[from + 1..]);
+            inputs.truncate(from + t);
+        }
+        Ok((
+            Tensor::from_vec(inputs, (b, t), device)?,
+            Tensor::from_vec(targets, (b, t), device)?,
+        ))
+    }
 }
 
 /// Windows of `seq_len + 1` ids as a batch: the first `seq_len` of each as inputs, the last
@@ -330,6 +379,13 @@ mod tests {
         let corpus = TokenFile::open(&[d.join("train.bin")], None, 3).unwrap();
         assert_eq!((corpus.len(), corpus.tokens()), (2, 9));
         assert_eq!(corpus.get(1).unwrap(), [70_003, 70_004, 70_005, 70_006]);
+        let (x, y) = corpus.get_batch(&[1, 0, 1], &Device::Cpu).unwrap();
+        let w = |i| corpus.get(i).unwrap();
+        let (ex, ey) = next_token_batch(&[w(1), w(0), w(1)], 3, &Device::Cpu).unwrap();
+        assert_eq!(x.to_vec2::<u32>().unwrap(), ex.to_vec2::<u32>().unwrap());
+        assert_eq!(y.to_vec2::<u32>().unwrap(), ey.to_vec2::<u32>().unwrap());
+        assert_eq!(y.to_vec2::<u32>().unwrap()[1], [70_001, 70_002, 70_003]);
+        assert!(corpus.get_batch(&[2], &Device::Cpu).is_err());
         let _ = std::fs::remove_dir_all(&d);
     }
 
