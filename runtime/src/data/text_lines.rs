@@ -12,10 +12,11 @@ use std::path::{Path, PathBuf};
 use std::time::UNIX_EPOCH;
 
 /// The first bytes of a line index file, and its layout version.
-const MAGIC: &[u8; 8] = b"IVMELIX1";
+const MAGIC: &[u8; 8] = b"IVMELIX2";
 
-/// The header: magic, file size, modification time (ns), line count.
-const HEADER: usize = 8 + 8 + 16 + 8;
+/// The header: magic, file size, modification time (ns), checksum of the file's ends (as
+/// [`DataFile`] takes it, in 8 bytes), line count.
+const HEADER: usize = 8 + 8 + 16 + 8 + 8;
 
 /// One file's lines.
 #[derive(Debug)]
@@ -34,8 +35,9 @@ struct Part {
 ///
 /// Opening a file finds where each line starts once and caches that in `FILE.ivme-lines`
 /// beside it (written atomically; kept in memory only when the folder is read-only). The cache
-/// is used while the file keeps its size and modification time (to the nanosecond) and is
-/// rebuilt when either changed or the cache is damaged. Each line is read with one positioned
+/// is used while the file keeps its size, its modification time (to the nanosecond) and the
+/// checksum of its first and last 64 KiB, and is rebuilt when any changed or the cache is
+/// damaged. Each line is read with one positioned
 /// read when a batch asks for it. A
 /// [`DataLoader`](super::DataLoader) over it shuffles, shards across processes and resumes
 /// exactly, as for data in memory.
@@ -140,8 +142,17 @@ impl Dataset for TextLines {
     }
 }
 
-/// What identifies a file's content cheaply: its size and modification time.
-fn stamp(file: &File, path: &Path) -> Result<(u64, u128)> {
+/// What identifies a file's content cheaply: its size, modification time and the CRC-32 of its
+/// first and last 64 KiB (a rewrite that keeps the size and restores the time, as `cp -p` or
+/// `rsync -t` of another file do, still changes the ends).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Stamp {
+    size: u64,
+    mtime: u128,
+    crc: u32,
+}
+
+fn stamp(file: &File, path: &Path) -> Result<Stamp> {
     let meta = file
         .metadata()
         .map_err(io_at("reading the metadata of", path))?;
@@ -150,7 +161,12 @@ fn stamp(file: &File, path: &Path) -> Result<(u64, u128)> {
         .ok()
         .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
         .map_or(0, |d| d.as_nanos());
-    Ok((meta.len(), mtime))
+    let ends = DataFile::of(path, file)?;
+    Ok(Stamp {
+        size: ends.size,
+        mtime,
+        crc: ends.crc,
+    })
 }
 
 /// Reads the whole file once: where each line starts, then the size.
@@ -181,25 +197,26 @@ fn scan(file: &File, path: &Path) -> Result<Vec<u64>> {
 /// The cached index of `path` when it still describes the file, else a fresh one (cached when
 /// the folder allows).
 fn line_index(path: &Path, file: &File) -> Result<Vec<u64>> {
-    let (size, mtime) = stamp(file, path)?;
+    let now = stamp(file, path)?;
     let cache = TextLines::index_path(path);
-    if let Some((c_size, c_mtime, starts)) = std::fs::read(&cache).ok().and_then(|b| parse(&b)) {
-        if (c_size, c_mtime) == (size, mtime) {
+    if let Some((cached, starts)) = std::fs::read(&cache).ok().and_then(|b| parse(&b)) {
+        if cached == now {
             return Ok(starts);
         }
     }
     let starts = scan(file, path)?;
-    write_cache(&cache, size, mtime, &starts);
+    write_cache(&cache, now, &starts);
     Ok(starts)
 }
 
-fn parse(bytes: &[u8]) -> Option<(u64, u128, Vec<u64>)> {
+fn parse(bytes: &[u8]) -> Option<(Stamp, Vec<u64>)> {
     if bytes.len() < HEADER || &bytes[..8] != MAGIC {
         return None;
     }
     let size = u64::from_le_bytes(bytes.get(8..16)?.try_into().ok()?);
     let mtime = u128::from_le_bytes(bytes.get(16..32)?.try_into().ok()?);
-    let lines = usize::try_from(u64::from_le_bytes(bytes.get(32..40)?.try_into().ok()?)).ok()?;
+    let crc = u32::try_from(u64::from_le_bytes(bytes.get(32..40)?.try_into().ok()?)).ok()?;
+    let lines = usize::try_from(u64::from_le_bytes(bytes.get(40..48)?.try_into().ok()?)).ok()?;
     let body = bytes.get(HEADER..)?;
     if body.len() != lines.checked_add(1)?.checked_mul(8)? {
         return None;
@@ -208,16 +225,18 @@ fn parse(bytes: &[u8]) -> Option<(u64, u128, Vec<u64>)> {
         .chunks_exact(8)
         .map(|c| u64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
         .collect::<Vec<_>>();
-    (starts.last() == Some(&size)).then_some((size, mtime, starts))
+    let stamp = Stamp { size, mtime, crc };
+    (starts.last() == Some(&size)).then_some((stamp, starts))
 }
 
 /// Writes the cache atomically (a temporary file renamed into place); a folder that cannot
 /// take it keeps the index in memory only.
-fn write_cache(cache: &Path, size: u64, mtime: u128, starts: &[u64]) {
+fn write_cache(cache: &Path, stamp: Stamp, starts: &[u64]) {
     let mut bytes = Vec::with_capacity(HEADER + starts.len() * 8);
     bytes.extend_from_slice(MAGIC);
-    bytes.extend_from_slice(&size.to_le_bytes());
-    bytes.extend_from_slice(&mtime.to_le_bytes());
+    bytes.extend_from_slice(&stamp.size.to_le_bytes());
+    bytes.extend_from_slice(&stamp.mtime.to_le_bytes());
+    bytes.extend_from_slice(&u64::from(stamp.crc).to_le_bytes());
     bytes.extend_from_slice(&((starts.len() - 1) as u64).to_le_bytes());
     for s in starts {
         bytes.extend_from_slice(&s.to_le_bytes());
@@ -292,8 +311,20 @@ mod tests {
         assert_eq!((lines.get(0)?, lines.get(1)?), ("on".into(), "etwo".into()));
         std::fs::write(&f, "one\ntwo\nthree\n").unwrap();
         assert_eq!(TextLines::open(&[&f])?.get(2)?, "three");
+        // Same size, other lines, and the old modification time put back (as `cp -p` of
+        // another file would): the checksum of the file's ends marks it.
+        let time = std::fs::metadata(&f).unwrap().modified().unwrap();
+        std::fs::write(&f, "one\ntwothree\n\n").unwrap();
+        std::fs::File::options()
+            .write(true)
+            .open(&f)
+            .unwrap()
+            .set_modified(time)
+            .unwrap();
+        let lines = TextLines::open(&[&f])?;
+        assert_eq!((lines.get(1)?, lines.get(2)?), ("twothree".into(), "".into()));
         // A damaged cache is rebuilt, not trusted.
-        std::fs::write(&cache, b"IVMELIX1 garbage").unwrap();
+        std::fs::write(&cache, b"IVMELIX2 garbage").unwrap();
         assert_eq!(TextLines::open(&[&f])?.len(), 3);
         std::fs::remove_dir_all(&d).unwrap();
         Ok(())
