@@ -46,6 +46,17 @@ impl Cluster {
 
     /// Runs `ivme launch --hostfile .. --num_processes 4 --cpu PROGRAM ARGS` on machine 0.
     fn launch(&self, program: &Path, args: &[&str]) -> std::process::Child {
+        self.launch_on(&self.hostfile(), 4, program, args)
+    }
+
+    /// Runs `ivme launch --hostfile HOSTFILE --num_processes N --cpu PROGRAM ARGS` on machine 0.
+    fn launch_on(
+        &self,
+        hostfile: &str,
+        n: usize,
+        program: &Path,
+        args: &[&str],
+    ) -> std::process::Child {
         Command::new("bash")
             .arg(script())
             .args(["exec", "0"])
@@ -53,9 +64,9 @@ impl Cluster {
             .args([
                 "launch",
                 "--hostfile",
-                &self.hostfile(),
+                hostfile,
                 "--num_processes",
-                "4",
+                &n.to_string(),
             ])
             .args(["--cpu", "--collective_timeout", "5"])
             .arg(program)
@@ -160,6 +171,32 @@ fn two_machines_of_two_ranks_train_as_four_ranks_on_one_machine_and_a_lost_machi
     let mut hosts: Vec<&str> = so.lines().collect();
     hosts.sort();
     assert_eq!(hosts, ["ivme-c0", "ivme-c0", "ivme-c1", "ivme-c1"], "{se}");
+
+    // A third machine that does not exist: refused before any rank starts, naming it.
+    let three = cluster.dir.join("hostfile-3");
+    let listed = std::fs::read_to_string(cluster.hostfile()).unwrap();
+    std::fs::write(&three, format!("{listed}10.213.0.99 slots=1\n")).unwrap();
+    let marker = cluster.dir.join("a-rank-ran");
+    let started = Instant::now();
+    let o = cluster
+        .launch_on(
+            three.to_str().unwrap(),
+            5,
+            Path::new("/bin/touch"),
+            &[marker.to_str().unwrap()],
+        )
+        .wait_with_output()
+        .unwrap();
+    let took = started.elapsed();
+    let (so, se) = text(&o);
+    assert!(!o.status.success(), "{so}\n{se}");
+    assert!(
+        se.contains("machine 2 (10.213.0.99)") && se.contains("did not answer over ssh"),
+        "{se}"
+    );
+    assert!(!se.contains("machine 1 ("), "machine 1 answers: {se}");
+    assert!(!marker.exists(), "a rank started");
+    assert!(took < Duration::from_secs(15), "{took:?}");
 
     // Plain data parallelism and ZeRO stage 2: bit for bit the 4-rank run on one machine (the
     // same collectives in the same order; only the transport differs).

@@ -146,6 +146,10 @@ pub fn main(words: &[String]) -> Result<i32> {
     // The ranks' in-memory snapshots outlive each attempt, not the launcher.
     let snapshots = StatusDir(snapshot_dir());
     loop {
+        // Every other machine answers over ssh before any rank starts (cli/src/reach.rs).
+        if let Some(hosts) = plan.hosts.as_ref().filter(|_| ctx.mpirun.is_some()) {
+            crate::reach::check(hosts)?;
+        }
         let inv = plan.invocation(&ctx)?;
         let machines = plan.hosts.as_ref().map(|h| (h, plan.num_processes));
         let (code, cause) = match run_once(&inv, &preempt, &snapshots.0, machines)? {

@@ -21,6 +21,7 @@ mod plan;
 mod process;
 mod prompt;
 mod rank;
+mod reach;
 mod report;
 mod row;
 mod selftest;

@@ -322,7 +322,10 @@ mod tests {
             .set_modified(time)
             .unwrap();
         let lines = TextLines::open(&[&f])?;
-        assert_eq!((lines.get(1)?, lines.get(2)?), ("twothree".into(), "".into()));
+        assert_eq!(
+            (lines.get(1)?, lines.get(2)?),
+            ("twothree".into(), "".into())
+        );
         // A damaged cache is rebuilt, not trusted.
         std::fs::write(&cache, b"IVMELIX2 garbage").unwrap();
         assert_eq!(TextLines::open(&[&f])?.len(), 3);
