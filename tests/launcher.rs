@@ -33,6 +33,52 @@ fn scratch(tag: &str) -> PathBuf {
     dir
 }
 
+/// Runs `mpirun -np 2 PROGRAM ARGS` (Open MPI, as root where needed) and returns the ranks'
+/// sorted lines.
+fn plain_mpirun(program: &str, args: &[&str]) -> (Output, Vec<String>) {
+    let out = Command::new("mpirun")
+        .args(["--oversubscribe", "-np", "2", program])
+        .args(args)
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .output()
+        .expect("mpirun runs");
+    let mut got: Vec<String> = text(&out).0.lines().map(String::from).collect();
+    got.sort();
+    (out, got)
+}
+
+#[test]
+fn plain_mpirun_and_srun_give_each_process_its_rank() {
+    let bin = whoami();
+    let bin = bin.to_str().unwrap();
+    let (out, got) = plain_mpirun(bin, &[]);
+    assert_eq!(got, ["rank 0 of 2", "rank 1 of 2"], "{:?}", text(&out));
+    // `srun --mpi=pmix`, simulated: MPI forms its world through PMIx (mpirun's server here),
+    // and the process learns its place only from SLURM's task variables, as under srun (PMIx
+    // exports the rank, not the size; Open MPI's own variables are removed).
+    let srun = format!(
+        "SLURM_PROCID=$OMPI_COMM_WORLD_RANK SLURM_LOCALID=$OMPI_COMM_WORLD_LOCAL_RANK \
+         SLURM_STEP_NUM_TASKS=2 SLURM_NODEID=0 SLURM_STEP_TASKS_PER_NODE=2 \
+         exec env -u OMPI_COMM_WORLD_RANK -u OMPI_COMM_WORLD_SIZE -u OMPI_COMM_WORLD_LOCAL_RANK \
+         -u OMPI_COMM_WORLD_LOCAL_SIZE {bin}"
+    );
+    let (out, got) = plain_mpirun("sh", &["-c", &srun]);
+    assert_eq!(got, ["rank 0 of 2", "rank 1 of 2"], "{:?}", text(&out));
+    // srun without MPI's process manager: each task is a world of its own, and says how to fix it.
+    let out = Command::new(bin)
+        .env("SLURM_PROCID", "1")
+        .env("SLURM_STEP_NUM_TASKS", "2")
+        .output()
+        .unwrap();
+    let (so, se) = text(&out);
+    assert!(!out.status.success(), "{so}");
+    assert!(
+        se.contains("rank 1 of 2") && se.contains("srun --mpi=pmix"),
+        "{se}"
+    );
+}
+
 #[test]
 fn two_ranks_each_report_their_rank() {
     let out = launch(2, &whoami(), &[], &[]);

@@ -290,12 +290,20 @@ impl AcceleratorBuilder {
         let device = select_device(local_rank, cpu)?;
         let comm = comm::open(world, &device, &comm_options)?;
         if comm.world_size() != world || comm.rank() != rank {
+            // Under srun, MPI forms its world only through a process manager interface.
+            let srun = std::env::var_os(env::SLURM_STEP_NUM_TASKS).is_some();
             return Err(Error::Setup(format!(
                 "the environment says rank {rank} of {world} but {} says rank {} of {}; start \
-                 the program with `ivme launch` or a matching mpirun",
+                 the program with `ivme launch` or a matching mpirun{}",
                 comm.name(),
                 comm.rank(),
-                comm.world_size()
+                comm.world_size(),
+                if srun {
+                    ", or give srun MPI's process manager: `srun --mpi=pmix` (Open MPI) or \
+                     `--mpi=pmi2` (MPICH)"
+                } else {
+                    ""
+                }
             )));
         }
         check_precision(precision, &device)?;

@@ -261,6 +261,19 @@ pub const RANK_FAMILIES: &[[&str; 4]] = &[
     ],
 ];
 
+/// SLURM's variables for a task `srun` started, read when no MPI family above is present
+/// (setup/state.rs): the task's rank, the step's task count, the rank on this node, this
+/// node's index and the step's tasks per node (`2(x3),1`).
+pub const SLURM_PROCID: &str = "SLURM_PROCID";
+/// See [`SLURM_PROCID`].
+pub const SLURM_STEP_NUM_TASKS: &str = "SLURM_STEP_NUM_TASKS";
+/// See [`SLURM_PROCID`].
+pub const SLURM_LOCALID: &str = "SLURM_LOCALID";
+/// See [`SLURM_PROCID`].
+pub const SLURM_NODEID: &str = "SLURM_NODEID";
+/// See [`SLURM_PROCID`].
+pub const SLURM_STEP_TASKS_PER_NODE: &str = "SLURM_STEP_TASKS_PER_NODE";
+
 /// Reads an on/off value: `1`, `true`, `on`, `yes` or `0`, `false`, `off`, `no` (any case).
 pub fn parse_bool(raw: &str) -> Option<bool> {
     match raw.trim().to_ascii_lowercase().as_str() {

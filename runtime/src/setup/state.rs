@@ -1,7 +1,8 @@
 //! Who this process is: rank, world size, local rank and device, read from the launcher's
-//! environment (`ivme launch`, Open MPI, MPICH or a plain `cargo run`).
+//! environment (`ivme launch`, Open MPI, MPICH, PMIx, SLURM's `srun`, or a plain `cargo run`).
 
 use crate::error::{Error, Result};
+use crate::setup::env;
 use candle_core::Device;
 
 /// This process's place in the distributed run.
@@ -83,8 +84,66 @@ impl EnvLayout {
                 local_world_size: lw,
             }));
         }
-        Ok(None)
+        slurm(&get, num)
     }
+}
+
+/// SLURM's `srun` tasks, when no MPI family above spoke (`srun --mpi=pmix` exports PMIx's rank
+/// but not its size): the task's rank (`SLURM_PROCID`), the step's task count
+/// (`SLURM_STEP_NUM_TASKS`, which a batch script's own environment lacks, so a program run
+/// directly there stays one process), the rank on this node (`SLURM_LOCALID`) and this node's
+/// task count (its entry of `SLURM_STEP_TASKS_PER_NODE`, `2(x3),1` style, at `SLURM_NODEID`).
+fn slurm(
+    get: &impl Fn(&str) -> Option<String>,
+    num: impl Fn(&str) -> Result<Option<usize>>,
+) -> Result<Option<EnvLayout>> {
+    let (Some(rank), Some(world)) = (num(env::SLURM_PROCID)?, num(env::SLURM_STEP_NUM_TASKS)?)
+    else {
+        return Ok(None);
+    };
+    if world == 0 || rank >= world {
+        return Err(Error::Setup(format!(
+            "{}={rank} with {}={world} is not a valid layout",
+            env::SLURM_PROCID,
+            env::SLURM_STEP_NUM_TASKS
+        )));
+    }
+    let local_rank = num(env::SLURM_LOCALID)?.unwrap_or(rank);
+    let node = num(env::SLURM_NODEID)?.unwrap_or(0);
+    let local_world = match get(env::SLURM_STEP_TASKS_PER_NODE) {
+        Some(raw) => tasks_on_node(&raw, node).ok_or_else(|| {
+            Error::Setup(format!(
+                "{}={raw:?} has no entry for node {node} ({}); expected counts like `2(x3),1`",
+                env::SLURM_STEP_TASKS_PER_NODE,
+                env::SLURM_NODEID
+            ))
+        })?,
+        None => world,
+    };
+    Ok(Some(EnvLayout {
+        rank,
+        world_size: world,
+        local_rank,
+        local_world_size: local_world,
+    }))
+}
+
+/// The task count of node `node` in SLURM's compressed list: `2(x3),1` is 2, 2, 2, 1.
+fn tasks_on_node(list: &str, node: usize) -> Option<usize> {
+    let mut seen = 0;
+    for part in list.split(',') {
+        let part = part.trim();
+        let (count, times) = match part.split_once("(x") {
+            Some((c, rest)) => (c, rest.strip_suffix(')')?.parse::<usize>().ok()?),
+            None => (part, 1),
+        };
+        let count: usize = count.parse().ok()?;
+        if node < seen + times {
+            return Some(count);
+        }
+        seen += times;
+    }
+    None
 }
 
 /// Picks the device for a local rank: that rank's CUDA device when the build has CUDA and one is
@@ -177,6 +236,57 @@ mod tests {
             .unwrap();
         assert_eq!(l.local_rank, 1);
         assert_eq!(l.local_world_size, 2);
+    }
+
+    #[test]
+    fn srun_tasks_read_slurms_variables_when_no_mpi_family_speaks() {
+        // `srun --mpi=pmix -N 3 -n 7`: PMIx exports the rank only; node 1 runs tasks 3..5.
+        let l = layout(&[
+            ("PMIX_RANK", "4"),
+            ("SLURM_PROCID", "4"),
+            ("SLURM_STEP_NUM_TASKS", "7"),
+            ("SLURM_LOCALID", "1"),
+            ("SLURM_NODEID", "1"),
+            ("SLURM_STEP_TASKS_PER_NODE", "3(x2),1"),
+        ])
+        .unwrap()
+        .unwrap();
+        assert_eq!(
+            l,
+            EnvLayout {
+                rank: 4,
+                world_size: 7,
+                local_rank: 1,
+                local_world_size: 3
+            }
+        );
+        assert_eq!(tasks_on_node("3(x2),1", 2), Some(1));
+        assert_eq!(tasks_on_node("3(x2),1", 3), None);
+        assert_eq!(tasks_on_node("4", 0), Some(4));
+        // A batch script's own environment has no step: one process, no layout.
+        let batch = [
+            ("SLURM_PROCID", "0"),
+            ("SLURM_NTASKS", "8"),
+            ("SLURM_LOCALID", "0"),
+        ];
+        assert_eq!(layout(&batch).unwrap(), None);
+        // An MPI family wins over SLURM's.
+        let l = layout(&[
+            ("OMPI_COMM_WORLD_RANK", "1"),
+            ("OMPI_COMM_WORLD_SIZE", "2"),
+            ("SLURM_PROCID", "0"),
+            ("SLURM_STEP_NUM_TASKS", "5"),
+        ])
+        .unwrap()
+        .unwrap();
+        assert_eq!((l.rank, l.world_size), (1, 2));
+        let e = layout(&[
+            ("SLURM_PROCID", "0"),
+            ("SLURM_STEP_NUM_TASKS", "2"),
+            ("SLURM_STEP_TASKS_PER_NODE", "2(x"),
+        ])
+        .unwrap_err();
+        assert!(e.to_string().contains("SLURM_STEP_TASKS_PER_NODE"), "{e}");
     }
 
     #[test]
