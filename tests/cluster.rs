@@ -4,8 +4,11 @@
 //! Skipped, saying why, where namespaces cannot be made (not root, no sshd).
 
 mod common;
+mod reference;
 
 use common::{example_bin, ivme_bin, params, scratch, text};
+use ivme::data::sampler::epoch_order;
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
@@ -40,13 +43,24 @@ impl Cluster {
         Some(Cluster { dir })
     }
 
-    fn hostfile(&self) -> String {
-        self.dir.join("hostfile").display().to_string()
+    /// A hostfile naming the first `machines` machines with `slots` ranks each.
+    fn hostfile_of(&self, machines: usize, slots: usize) -> String {
+        let listed = std::fs::read_to_string(self.dir.join("hostfile")).unwrap();
+        let lines: Vec<String> = listed
+            .lines()
+            .take(machines)
+            .map(|l| format!("{} slots={slots}", l.split_whitespace().next().unwrap()))
+            .collect();
+        assert_eq!(lines.len(), machines, "{listed}");
+        let path = self.dir.join(format!("hostfile-{machines}x{slots}"));
+        std::fs::write(&path, lines.join("\n") + "\n").unwrap();
+        path.display().to_string()
     }
 
-    /// Runs `ivme launch --hostfile .. --num_processes 4 --cpu PROGRAM ARGS` on machine 0.
+    /// Runs `ivme launch --hostfile .. --num_processes 4 --cpu PROGRAM ARGS` on machine 0, two
+    /// ranks on each of machines 0 and 1.
     fn launch(&self, program: &Path, args: &[&str]) -> std::process::Child {
-        self.launch_on(&self.hostfile(), 4, program, args)
+        self.launch_on(&self.hostfile_of(2, 2), 4, program, args)
     }
 
     /// Runs `ivme launch --hostfile HOSTFILE --num_processes N --cpu PROGRAM ARGS` on machine 0.
@@ -161,7 +175,7 @@ fn weights(
 
 #[test]
 fn two_machines_of_two_ranks_train_as_four_ranks_on_one_machine_and_a_lost_machine_ends_the_job() {
-    let Some(cluster) = Cluster::up(2) else {
+    let Some(cluster) = Cluster::up(3) else {
         return;
     };
     // Two ranks on each machine, each machine its own host.
@@ -174,7 +188,7 @@ fn two_machines_of_two_ranks_train_as_four_ranks_on_one_machine_and_a_lost_machi
 
     // A third machine that does not exist: refused before any rank starts, naming it.
     let three = cluster.dir.join("hostfile-3");
-    let listed = std::fs::read_to_string(cluster.hostfile()).unwrap();
+    let listed = std::fs::read_to_string(cluster.hostfile_of(2, 2)).unwrap();
     std::fs::write(&three, format!("{listed}10.213.0.99 slots=1\n")).unwrap();
     let marker = cluster.dir.join("a-rank-ran");
     let started = Instant::now();
@@ -227,6 +241,11 @@ fn two_machines_of_two_ranks_train_as_four_ranks_on_one_machine_and_a_lost_machi
         }
         let _ = (std::fs::remove_dir_all(one), std::fs::remove_dir_all(two));
     }
+
+    // Saved on 2 machines × 2 ranks (stage 2: each rank writes its own slice into the shared
+    // project folder), resumed on 1 machine × 2 ranks (unsharded) and on 3 machines × 1 rank
+    // (stage 2): both continue over the epoch's unused samples as plain candle does.
+    saved_on_two_machines_resumes_on_one_and_on_three(&cluster);
 
     // Machine 1's link cut mid-run: the ranks of machine 0 give up on machine 1's at the
     // collective deadline (5 s), and the launcher stops an mpirun that cannot reach machine 1
@@ -301,4 +320,98 @@ fn two_machines_of_two_ranks_train_as_four_ranks_on_one_machine_and_a_lost_machi
         "left on machine 1"
     );
     eprintln!("machine 1 lost: the job ended in {took:?}");
+}
+
+/// The harness's arguments for AdamW on the MLP over a shuffled data set of 24 samples.
+fn resume_args(batch: usize, sharding: &str, project: &Path, more: &[&str]) -> Vec<String> {
+    let mut args: Vec<String> = ["opt=adamw", "lr=0.01", "n=24", "shuffle=1"]
+        .map(String::from)
+        .to_vec();
+    args.push(format!("batch={batch}"));
+    args.push(format!("sharding={sharding}"));
+    args.push(format!("project={}", project.display()));
+    args.extend(more.iter().map(|s| s.to_string()));
+    args
+}
+
+fn saved_on_two_machines_resumes_on_one_and_on_three(cluster: &Cluster) {
+    let harness = example_bin("harness");
+    let root = common::Scratch::new("cluster-resume");
+    // 4 ranks × 3 samples: step 1 uses 12 of epoch 0's 24 samples, then the job saves and ends.
+    let saved = root.0.join("saved");
+    let args = resume_args(3, "gradients", &saved, &["save_at=1", "steps=99"]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let o = cluster
+        .launch_on(&cluster.hostfile_of(2, 2), 4, &harness, &args)
+        .wait_with_output()
+        .unwrap();
+    let (so, se) = text(&o);
+    assert!(
+        o.status.success(),
+        "saving on 2 machines failed\n{so}\n{se}"
+    );
+    // Plain candle on one process: the global batches of 12 in the harness's order (seed 11),
+    // two per epoch, for 4 steps.
+    let order = |e| epoch_order(24, true, 11, e);
+    let batches: Vec<Vec<usize>> = [order(0), order(1)]
+        .iter()
+        .flat_map(|o| reference::chunks(o, 12, 2))
+        .collect();
+    let adamw = candle_nn::ParamsAdamW {
+        lr: 0.01,
+        ..Default::default()
+    };
+    let expected = reference::train::<candle_nn::AdamW>(24, &batches, adamw);
+    // A project folder in /dev/shm, each machine's own: the save fails, saying the folder
+    // must be one that every machine shares, instead of a commit that misses ranks 2 and 3.
+    let private = Path::new("/dev/shm/ivme-not-shared");
+    let args = resume_args(3, "gradients", private, &["save_at=1", "steps=99"]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let o = cluster
+        .launch_on(&cluster.hostfile_of(2, 2), 4, &harness, &args)
+        .wait_with_output()
+        .unwrap();
+    let (_, se) = text(&o);
+    assert!(!o.status.success(), "{se}");
+    assert!(
+        se.contains("is not there for rank 2 (on ivme-c1)")
+            && se.contains("must be one folder every machine sees"),
+        "{se}"
+    );
+    type Resume<'a> = (&'a str, usize, &'a str);
+    let resumes: [Resume; 2] = [
+        ("one machine × 2", 6, "no"),
+        ("three machines × 1", 4, "gradients"),
+    ];
+    for (what, batch, sharding) in resumes {
+        let project = root.0.join(format!("resumed-{batch}"));
+        common::copy_tree(&saved, &project);
+        let out = root.0.join(format!("out-{batch}"));
+        let out_arg = format!("out={}", out.display());
+        let args = resume_args(
+            batch,
+            sharding,
+            &project,
+            &["resume=1", "steps=4", &out_arg],
+        );
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let o = if batch == 6 {
+            common::launch(2, &harness, &args, &[])
+        } else {
+            cluster
+                .launch_on(&cluster.hostfile_of(3, 1), 3, &harness, &args)
+                .wait_with_output()
+                .unwrap()
+        };
+        let (so, se) = text(&o);
+        assert!(o.status.success(), "resuming on {what} failed\n{so}\n{se}");
+        let report: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(out.join("rank0.json")).unwrap()).unwrap();
+        let got: BTreeMap<String, Vec<f32>> = params(&report);
+        let diff = reference::max_diff(&got, &expected);
+        assert!(
+            diff <= 1e-6,
+            "saved on 2 machines, resumed on {what}: max abs diff {diff} from plain candle"
+        );
+    }
 }

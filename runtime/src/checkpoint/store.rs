@@ -27,7 +27,7 @@ pub use super::manifest::{
 };
 use super::read;
 pub use super::staging::{abandon, begin, clean_stale, Cleaned};
-use crate::error::{Error, Result};
+use crate::error::{CheckpointErrorKind, Error, Result};
 
 /// One saved piece of a rank's state (a model, optimizer, loader, RNG, ...): tensors plus JSON.
 #[derive(Debug, Clone)]
@@ -83,7 +83,25 @@ fn check_component_name(name: &str) -> Result<()> {
 
 /// Writes one rank's state into `tmp/rank{rank}`: `{component}.safetensors` and
 /// `{component}.json` per component, then `components.json` (the saving order), all fsynced.
+///
+/// `tmp` is the folder [`begin`] made on the main process; a rank that does not see it (a
+/// checkpoint folder that is not shared between machines) gets an error saying so.
 pub fn write_rank(tmp: &Path, rank: usize, state: &RankState) -> Result<()> {
+    // Creating `tmp` here would write into a folder of this machine alone, which the main
+    // process's commit never sees.
+    if !tmp.is_dir() {
+        return Err(Error::checkpoint(
+            tmp,
+            CheckpointErrorKind::Failed,
+            format!(
+                "is not there for rank {rank} (on {}), though the main process made it for this \
+                 save: the checkpoint folder must be one folder every machine sees at the same \
+                 path (a shared file system such as NFS), not a folder on each machine's own \
+                 disk or in /dev/shm",
+                super::lock::host_name()
+            ),
+        ));
+    }
     let mut seen = BTreeSet::new();
     for c in &state.components {
         check_component_name(&c.name)?;
