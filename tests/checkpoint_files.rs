@@ -443,6 +443,7 @@ fn crash_leftovers_are_cleaned_and_finished_saves_recovered() {
     // A save whose process died mid-way: its claim file is there but nobody locks it.
     let half = tmp.0.join(".checkpoint_4.save-deadhost-1-0-0.tmp");
     std::fs::write(tmp.0.join(".checkpoint_4.save-deadhost-1-0-0.claim"), "{}").unwrap();
+    std::fs::create_dir_all(&half).unwrap();
     ivme::checkpoint::store::write_rank(&half, 0, &two_rank_state(4)[0]).unwrap();
     std::fs::create_dir_all(tmp.0.join(".checkpoint_1.del/rank0")).unwrap();
     // A save still in progress in this process: claimed, so never touched.
