@@ -3,10 +3,18 @@
 //! `VarMap::load`, and ivme's model files (`save_model`/`load_checkpoint_in_model`).
 //!
 //! Run with `cargo run --release --example bench_checkpoint [MB[,MB...]] [rounds]` (default
-//! `100 5`; e.g. `100,1000 5` benches both sizes in one run). Each round runs every contender
-//! once, alternating which goes first, and the table gives the best and the median round.
-//! Loads read files the previous save left in the page cache (warm cache): this bench cannot
-//! drop it.
+//! `100 5`; e.g. `100,1000 5` benches both sizes in one run). Every save and every load runs in
+//! a process of its own, as a program's resume does (its memory fresh, no allocator state left
+//! by the other contender), rounds alternating the order; the table gives the best and the
+//! median round. Two allocator settings: as each program starts by itself (glibc's defaults for
+//! plain candle; ivme tunes glibc when the Accelerator is built), and glibc tuned for both by
+//! `ivme launch`'s variables. Loads read files the previous save left in the page cache (warm
+//! cache): this bench cannot drop it.
+//!
+//! `bench_checkpoint one MODE MB DIR` runs one contender and prints its seconds.
+
+#[path = "../support/rounds.rs"]
+mod rounds;
 
 use std::path::Path;
 use std::time::Instant;
@@ -15,30 +23,34 @@ use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{Init, VarMap};
 use ivme::checkpoint::{load_checkpoint_in_model, save_model};
 
-/// What one contender took in each round, in seconds.
-#[derive(Default)]
-struct Times(Vec<f64>);
+/// The contenders: what each does, and the baseline it is compared with.
+const MODES: [(&str, &str); 6] = [
+    ("save-candle", "save-candle"),
+    ("save-state", "save-candle"),
+    ("save-model", "save-candle"),
+    ("load-candle", "load-candle"),
+    ("load-state", "load-candle"),
+    ("load-model", "load-candle"),
+];
 
-impl Times {
-    fn time(&mut self, f: impl FnOnce() -> ivme::Result<()>) -> ivme::Result<()> {
-        let t = Instant::now();
-        f()?;
-        self.0.push(t.elapsed().as_secs_f64());
-        Ok(())
+/// 20 layers of equal size adding up to `mb` megabytes of f32, with their names.
+fn model(mb: usize) -> ivme::Result<(VarMap, Vec<(String, Var)>)> {
+    let per_layer = mb * 1_000_000 / 4 / 20;
+    let varmap = VarMap::new();
+    for i in 0..20 {
+        let init = Init::Uniform { lo: -1.0, up: 1.0 };
+        let name = format!("layer{i:02}.weight");
+        varmap.get(per_layer, &name, init, DType::F32, &Device::Cpu)?;
     }
-    fn min(&self) -> f64 {
-        self.0.iter().copied().fold(f64::INFINITY, f64::min)
-    }
-    fn median(&self) -> f64 {
-        let mut v = self.0.clone();
-        v.sort_by(f64::total_cmp);
-        let n = v.len();
-        if n % 2 == 1 {
-            v[n / 2]
-        } else {
-            (v[n / 2 - 1] + v[n / 2]) / 2.0
-        }
-    }
+    let mut named: Vec<(String, Var)> = varmap
+        .data()
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(n, v)| (n.clone(), v.clone()))
+        .collect();
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok((varmap, named))
 }
 
 fn fresh(path: &Path) {
@@ -54,115 +66,139 @@ fn fsync(path: &Path) -> ivme::Result<()> {
         .map_err(io)
 }
 
-fn bench(mb: usize, rounds: usize, root: &Path) -> ivme::Result<()> {
-    // 20 layers of equal size add up to `mb` megabytes of f32.
-    let per_layer = mb * 1_000_000 / 4 / 20;
-    let mut varmap = VarMap::new();
-    for i in 0..20 {
-        let init = Init::Uniform { lo: -1.0, up: 1.0 };
-        let name = format!("layer{i:02}.weight");
-        varmap.get(per_layer, &name, init, DType::F32, &Device::Cpu)?;
+/// One contender in this process: builds the model (and, for ivme's state, an Accelerator
+/// with it prepared), then times only the save or the load.
+fn one(mode: &str, mb: usize, dir: &Path) -> ivme::Result<()> {
+    let (mut varmap, named) = model(mb)?;
+    let plain = dir.join("varmap.safetensors");
+    let model_dir = dir.join("model");
+    let state_dir = dir.join("state");
+    let mut acc = None;
+    if mode.ends_with("-state") {
+        let mut a = ivme::Accelerator::builder().cpu(true).build()?;
+        let _prepared = a.prepare(varmap.clone())?;
+        acc = Some(a);
     }
-    let mut named: Vec<(String, Var)> = varmap
-        .data()
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|(n, v)| (n.clone(), v.clone()))
-        .collect();
-    named.sort_by(|a, b| a.0.cmp(&b.0));
-    let tensors: Vec<(String, Tensor)> = named
-        .iter()
-        .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
-        .collect();
-    let bytes = (per_layer * 20 * 4) as f64;
-    // The whole path a training program takes: the Accelerator gathers the prepared model's
-    // state (and its RNG, counters) and saves/loads it through the checkpoint store.
-    let mut acc = ivme::Accelerator::builder().cpu(true).build()?;
-    let _prepared = acc.prepare(varmap.clone())?;
+    let t = Instant::now();
+    match (mode, acc.as_mut()) {
+        ("save-candle", _) => {
+            fresh(&plain);
+            let t = Instant::now();
+            varmap.save(&plain)?;
+            fsync(&plain)?;
+            println!("{}", t.elapsed().as_secs_f64());
+            return Ok(());
+        }
+        ("save-model", _) => {
+            fresh(&model_dir);
+            let tensors: Vec<(String, Tensor)> = named
+                .iter()
+                .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
+                .collect();
+            let t = Instant::now();
+            save_model(&tensors, &model_dir, None)?;
+            println!("{}", t.elapsed().as_secs_f64());
+            return Ok(());
+        }
+        ("save-state", Some(acc)) => {
+            fresh(&state_dir);
+            let t = Instant::now();
+            acc.save_state(Some(&state_dir))?;
+            println!("{}", t.elapsed().as_secs_f64());
+            return Ok(());
+        }
+        ("load-candle", _) => varmap.load(&plain)?,
+        ("load-model", _) => drop(load_checkpoint_in_model(&named, &model_dir, &Device::Cpu)?),
+        ("load-state", Some(acc)) => drop(acc.load_state(Some(&state_dir))?),
+        _ => return Err(ivme::Error::Usage(format!("unknown mode {mode}"))),
+    }
+    println!("{}", t.elapsed().as_secs_f64());
+    Ok(())
+}
 
-    let plain = root.join("varmap.safetensors");
-    let model_dir = root.join("model");
-    let state_dir = root.join("state");
-    let [mut c_save, mut i_save, mut c_load, mut i_load, mut m_save, mut m_load] =
-        std::array::from_fn(|_| Times::default());
+fn min(v: &[f64]) -> f64 {
+    v.iter().copied().fold(f64::INFINITY, f64::min)
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Every contender `rounds` times, each in its own process, under `envs`.
+fn bench(
+    mb: usize,
+    rounds: usize,
+    dir: &Path,
+    label: &str,
+    envs: &[(&str, &str)],
+) -> ivme::Result<()> {
+    let dir_arg = dir.display().to_string();
+    let mb_arg = mb.to_string();
+    let mut times: Vec<Vec<f64>> = vec![Vec::new(); MODES.len()];
     for round in 0..rounds {
-        // Alternate who goes first, so drift in the machine's load falls on both.
-        for turn in 0..2 {
-            if (round + turn) % 2 == 0 {
-                fresh(&plain);
-                c_save.time(|| {
-                    varmap.save(&plain)?;
-                    fsync(&plain)
-                })?;
-                fresh(&model_dir);
-                m_save.time(|| save_model(&tensors, &model_dir, None).map(drop))?;
-            } else {
-                fresh(&state_dir);
-                i_save.time(|| acc.save_state(Some(&state_dir)).map(drop))?;
-            }
-        }
-        for turn in 0..2 {
-            if (round + turn) % 2 == 0 {
-                c_load.time(|| Ok(varmap.load(&plain)?))?;
-                m_load.time(|| {
-                    load_checkpoint_in_model(&named, &model_dir, &Device::Cpu).map(drop)
-                })?;
-            } else {
-                i_load.time(|| acc.load_state(Some(&state_dir)).map(drop))?;
+        // Saves first (a load reads what they wrote), each group in a rotating order.
+        for group in [0..3, 3..6] {
+            let n = group.len();
+            for k in 0..n {
+                let i = group.start + (k + round) % n;
+                let args = ["one", MODES[i].0, &mb_arg, &dir_arg];
+                times[i].push(rounds::in_own_process(&args, envs)?);
             }
         }
     }
-    for p in [&plain, &model_dir, &state_dir] {
-        fresh(p);
-    }
-
     println!(
-        "\n{:.0} MB of f32 weights in 20 tensors, {rounds} alternating rounds (loads warm-cache)",
-        bytes / 1e6
+        "\n{mb} MB of f32 weights in 20 tensors, {rounds} rounds, one process per run, {label}"
     );
-    println!(
-        "{:<38} {:>8} {:>8} {:>7} {:>14}",
-        "", "min s", "median s", "MB/s", "÷ baseline"
-    );
-    let rows = [
-        ("candle VarMap::save + fsync (baseline)", &c_save, &c_save),
-        ("ivme Accelerator::save_state", &i_save, &c_save),
-        ("ivme save_model (atomic, fsync)", &m_save, &c_save),
-        ("candle VarMap::load (baseline)", &c_load, &c_load),
-        ("ivme Accelerator::load_state", &i_load, &c_load),
-        ("ivme load_checkpoint_in_model", &m_load, &c_load),
-    ];
-    for (name, t, base) in rows {
+    println!("| run | min s | median s | ÷ baseline min / median |");
+    println!("|---|---|---|---|");
+    for (i, (mode, base)) in MODES.iter().enumerate() {
+        let b = MODES.iter().position(|(m, _)| m == base).unwrap_or(i);
         println!(
-            "{name:<38} {:>8.4} {:>8.4} {:>7.0} {:>5.2}x /{:>5.2}x",
-            t.min(),
-            t.median(),
-            bytes / t.min() / 1e6,
-            t.min() / base.min(),
-            t.median() / base.median()
+            "| {mode} | {:.4} | {:.4} | {:.2}x / {:.2}x |",
+            min(&times[i]),
+            median(&times[i]),
+            min(&times[i]) / min(&times[b]),
+            median(&times[i]) / median(&times[b])
         );
     }
-    let verdict = |what: &str, t: &Times, base: &Times, target: f64| {
-        let (best, mid) = (t.min() / base.min(), t.median() / base.median());
-        let met = if mid <= target { "met" } else { "missed" };
-        println!("{what}: {best:.2}x (min) / {mid:.2}x (median), target <= {target}x: {met}");
-    };
-    verdict("save_state", &i_save, &c_save, 1.3);
-    verdict("load_state", &i_load, &c_load, 1.5);
+    let ratio = |i: usize, b: usize| median(&times[i]) / median(&times[b]);
+    println!(
+        "save_state {:.2}x (target <= 1.3), load_state {:.2}x (target <= 1.5), medians",
+        ratio(1, 0),
+        ratio(4, 3)
+    );
     Ok(())
 }
 
 fn main() -> ivme::Result<()> {
-    let mut args = std::env::args().skip(1);
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.first().map(String::as_str) == Some("one") {
+        let mb = args[2].parse().unwrap_or(100);
+        return one(&args[1], mb, Path::new(&args[3]));
+    }
     let sizes: Vec<usize> = args
-        .next()
+        .first()
         .map(|s| s.split(',').filter_map(|x| x.trim().parse().ok()).collect())
         .unwrap_or_else(|| vec![100]);
-    let rounds: usize = args.next().and_then(|s| s.parse().ok()).unwrap_or(5).max(1);
+    let rounds: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(5).max(1);
     let root = std::env::temp_dir().join(format!("ivme-bench-ckpt-{}", std::process::id()));
     std::fs::create_dir_all(&root).map_err(|e| ivme::Error::io("creating bench folder", e))?;
-    let result = sizes.iter().try_for_each(|&mb| bench(mb, rounds, &root));
+    let tuned = [
+        ("MALLOC_MMAP_THRESHOLD_", "33554432"),
+        ("MALLOC_TRIM_THRESHOLD_", "17179869184"),
+    ];
+    let result = sizes.iter().try_for_each(|&mb| {
+        bench(mb, rounds, &root, "as each program starts by itself", &[])?;
+        bench(
+            mb,
+            rounds,
+            &root,
+            "glibc tuned for both (ivme launch's variables)",
+            &tuned,
+        )
+    });
     let _ = std::fs::remove_dir_all(&root);
     result
 }
