@@ -371,7 +371,9 @@ impl Accelerator {
     /// component counts, tensor shapes and dtypes against the live model and optimizers, the
     /// JSON of RNG, scaler, loader positions and registered objects); only when every rank's
     /// check passed does anything change, and an object that still refuses its state has the
-    /// ones loaded before it put back. On an error, the training state is as it was.
+    /// ones loaded before it put back. On an error, the training state is as it was. (A model
+    /// saved and loaded whole is read straight into its variables after the check, checksummed
+    /// again: only if its file changes in between does a load fail half done, and it says so.)
     pub fn load_state(&mut self, dir: Option<&Path>) -> Result<PathBuf> {
         let rank = self.process_index();
         self.load_state_inner(dir)

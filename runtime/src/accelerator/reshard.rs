@@ -9,6 +9,7 @@
 //! epoch is split among the new ranks).
 
 use crate::accelerator::Accelerator;
+use crate::checkpoint::direct::{self, DirectFile};
 use crate::checkpoint::format::bad;
 use crate::checkpoint::layout::run_name;
 use crate::checkpoint::layout::Layout;
@@ -16,12 +17,14 @@ use crate::checkpoint::layout::Runs;
 use crate::checkpoint::layout::Whole;
 use crate::checkpoint::names::Kind;
 use crate::checkpoint::plan::Assembled;
+use crate::checkpoint::read;
+use crate::checkpoint::store::{Listing, Manifest};
 use crate::checkpoint::RankState;
 use crate::error::Result;
 use crate::stateful::StateDict;
 use candle_core::{DType, Tensor};
 use serde_json::Value;
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::path::PathBuf;
 
@@ -55,11 +58,15 @@ impl Accelerator {
     /// Puts the model and optimizer state of the saved ranks `states` (each read with at least
     /// its `model_*` and `optimizer_*` components) into this run's layout, checking every name,
     /// shape and dtype against the prepared objects. The tensors are moved out of `states`.
+    ///
+    /// Models with a `direct` file are skipped (their entry is empty): their weights are read
+    /// straight into the variables when the load is applied.
     pub(crate) fn assemble(
         &self,
         dir: &Path,
         layout: &Layout,
         states: &mut [&mut RankState],
+        direct: &[Option<DirectFile>],
     ) -> Result<Assembled> {
         let files = |kind: &str| -> PathBuf {
             let rank = if layout.is_sharded() {
@@ -71,6 +78,10 @@ impl Accelerator {
         };
         let mut models = Vec::with_capacity(self.training.models().len());
         for i in 0..self.training.models().len() {
+            if direct.get(i).is_some_and(Option::is_some) {
+                models.push(Vec::new());
+                continue;
+            }
             let name = Kind::Model.name(i);
             let (mut runs, mut shapes) = (Runs::default(), Value::Null);
             for s in states.iter_mut() {
@@ -98,6 +109,71 @@ impl Accelerator {
             optimizers.push(self.assemble_optimizer(&files(&name), runs, json)?);
         }
         Ok(Assembled { models, optimizers })
+    }
+
+    /// For each model, the name of its component when its weights may be read straight into
+    /// its variables: saved whole (rank 0's file holds every variable) and loaded whole.
+    pub(crate) fn direct_candidates(&self, layout: &Layout) -> Vec<Option<String>> {
+        self.training
+            .models()
+            .iter()
+            .enumerate()
+            .map(|(i, m)| (!layout.is_sharded() && m.shard.is_none()).then(|| Kind::Model.name(i)))
+            .collect()
+    }
+
+    /// The files of the `candidates` whose `listed` tensors are exactly the model's variables.
+    /// A candidate that does not fit is read into memory now, into its component of the saved
+    /// rank 0 in `states`, so that assembling it gives the usual refusal.
+    pub(crate) fn fit_direct(
+        &self,
+        dir: &Path,
+        manifest: &Manifest,
+        candidates: &[Option<String>],
+        listed: &BTreeMap<String, Listing>,
+        states: &mut [&mut RankState],
+    ) -> Result<Vec<Option<DirectFile>>> {
+        let mut out = Vec::with_capacity(candidates.len());
+        for (m, name) in self.training.models().iter().zip(candidates) {
+            let Some(name) = name else {
+                out.push(None);
+                continue;
+            };
+            let rel = format!("rank0/{name}.safetensors");
+            let Some(entry) = manifest.files.iter().find(|e| e.path == rel) else {
+                // No such file: assembling the model says what is missing.
+                out.push(None);
+                continue;
+            };
+            let path = dir.join(&rel);
+            let expect = (entry.size, entry.crc32);
+            if listed
+                .get(name)
+                .is_some_and(|l| direct::fits(l, &m.names, &m.master))
+            {
+                out.push(Some(DirectFile {
+                    path,
+                    expect,
+                    names: m.names.clone(),
+                }));
+                continue;
+            }
+            let (header, tensors) = read::read_checked(&path, expect)?;
+            let named: Vec<(String, Tensor)> = header
+                .tensors
+                .iter()
+                .map(|t| t.name.clone())
+                .zip(tensors)
+                .collect();
+            for s in states.iter_mut() {
+                if let Some(c) = s.components.iter_mut().find(|c| &c.name == name) {
+                    c.tensors = named;
+                    break;
+                }
+            }
+            out.push(None);
+        }
+        Ok(out)
     }
 
     /// Refuses a sharded checkpoint whose recorded variable shapes differ from model `i`'s.

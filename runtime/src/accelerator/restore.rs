@@ -16,6 +16,7 @@
 
 use crate::accelerator::Accelerator;
 use crate::checkpoint::checks::check_scaler;
+use crate::checkpoint::direct;
 use crate::checkpoint::format::bad;
 use crate::checkpoint::layout::Layout;
 use crate::checkpoint::names;
@@ -25,6 +26,7 @@ use crate::checkpoint::plan::state_of;
 use crate::checkpoint::plan::Assembled;
 use crate::checkpoint::plan::Checked;
 use crate::checkpoint::plan::Counts;
+use crate::checkpoint::plan::ModelLoad;
 use crate::checkpoint::plan::Plan;
 use crate::checkpoint::plan::Refusal;
 use crate::checkpoint::store;
@@ -182,23 +184,38 @@ impl Accelerator {
         let own = if rank < manifest.world_size { rank } else { 0 };
         let sources = self.source_ranks(&layout);
         let weights = names::is_weights;
-        // Every file is read once, here; the tensors wait in memory until every check passed.
-        let (mut mine, _) = store::read_rank_in(dir, &manifest, own, |c| {
-            sources.contains(&own) || !weights(c)
+        // Models whose file may go straight into their variables: only checked here.
+        let direct = self.direct_candidates(&layout);
+        let later = |c: &str| direct.iter().any(|d| d.as_deref() == Some(c));
+        // Every other file is read once, here; the tensors wait in memory until every check
+        // passed.
+        let (mut mine, mut listed) = store::read_rank_in(dir, &manifest, own, |c| {
+            (sources.contains(&own) || !weights(c)) && !later(c)
         })
         .map_err(Refusal::Damaged)?;
         self.check_components(dir, own, &mine, sharded)?;
         let mut others = Vec::new();
         for &k in sources.iter().filter(|&&k| k != own) {
-            let (s, _) =
-                store::read_rank_in(dir, &manifest, k, weights).map_err(Refusal::Damaged)?;
+            let (s, l) = store::read_rank_in(dir, &manifest, k, |c| weights(c) && !later(c))
+                .map_err(Refusal::Damaged)?;
             self.check_components(dir, k, &s, sharded)?;
+            if k == 0 {
+                listed = l;
+            }
             others.push(s);
         }
         let mut states: Vec<&mut RankState> = others.iter_mut().collect();
         // This rank's own folder last: an optimizer's scalars come from the first that has it.
         states.push(&mut mine);
-        let Assembled { models, optimizers } = self.assemble(dir, &layout, &mut states)?;
+        let direct = self
+            .fit_direct(dir, &manifest, &direct, &listed, &mut states)
+            .map_err(Refusal::Damaged)?;
+        let Assembled { models, optimizers } = self.assemble(dir, &layout, &mut states, &direct)?;
+        let models = models
+            .into_iter()
+            .zip(direct)
+            .map(|(staged, d)| d.map_or(ModelLoad::Staged(staged), ModelLoad::Direct))
+            .collect();
         drop(others);
         let file = |name: &str| dir.join(format!("rank{own}/{name}.json"));
         let parse = |name: &str, what: &str| -> Result<Value> {
@@ -379,15 +396,21 @@ impl Accelerator {
             m.sums = s;
         }
         for (m, saved) in self.training.models().iter().zip(models) {
-            match &m.shard {
+            match (&m.shard, saved) {
+                (_, ModelLoad::Direct(file)) => {
+                    direct::load_into(&file, &m.master)?;
+                    for (master, compute) in m.master.iter().zip(&m.compute) {
+                        crate::precision::refresh_copy(compute, master)?;
+                    }
+                }
                 // The pieces of this process's slice; `gather_loaded_slices` fills the weights.
-                Some(shard) => {
+                (Some(shard), ModelLoad::Staged(saved)) => {
                     // Copied: a piece may be a view into a larger saved run.
                     for (master, t) in shard.masters.iter().zip(saved) {
                         master.set(&t)?;
                     }
                 }
-                None => {
+                (None, ModelLoad::Staged(saved)) => {
                     for ((master, compute), t) in m.master.iter().zip(&m.compute).zip(saved) {
                         swap::move_into(master, t)?;
                         crate::precision::refresh_copy(compute, master)?;

@@ -1,5 +1,5 @@
-//! Tests of how `load_state` reads a checkpoint: each file once, everything checked before
-//! anything is applied.
+//! Tests of how `load_state` reads a checkpoint: each file once (the model's twice: checked,
+//! then read into its variables), everything checked before anything is applied.
 
 use std::path::{Path, PathBuf};
 
@@ -97,6 +97,34 @@ fn opened_files(
         .collect()
 }
 
+/// How many times a load opens each of `files`: the model's file twice (checked, streamed
+/// through a small buffer; then read straight into the variables), every other file once.
+fn once_but_the_model(files: &[PathBuf]) -> Vec<usize> {
+    files
+        .iter()
+        .map(|f| {
+            if f.ends_with("rank0/model_0.safetensors") {
+                2
+            } else {
+                1
+            }
+        })
+        .collect()
+}
+
+/// Where each variable's values live.
+fn buffers(vars: &[Var]) -> Vec<usize> {
+    vars.iter()
+        .map(|v| {
+            let (storage, _) = v.as_tensor().storage_and_layout();
+            match &*storage {
+                candle_core::Storage::Cpu(s) => s.as_slice::<f32>().unwrap().as_ptr() as usize,
+                _ => unreachable!("CPU variables"),
+            }
+        })
+        .collect()
+}
+
 #[test]
 fn resuming_from_a_project_reads_each_file_once_and_skips_a_damaged_newest() {
     let root = scratch("load-newest");
@@ -114,16 +142,14 @@ fn resuming_from_a_project_reads_each_file_once_and_skips_a_damaged_newest() {
     assert_eq!(acc.load_state(None).unwrap(), second);
     assert_eq!(bits(&vars), w2);
     let counts = opened::take_under(&checkpoints);
+    let expected = once_but_the_model(&second_files);
     let once = opened_files(&second_files, &counts);
-    assert!(once.iter().all(|&n| n == 1), "load_state(None): {counts:?}");
+    assert_eq!(once, expected, "load_state(None): {counts:?}");
     assert!(opened_files(&first_files, &counts).iter().all(|&n| n == 0));
     assert_eq!(acc.load_state_if_any().unwrap(), Some(second.clone()));
     let counts = opened::take_under(&checkpoints);
     let once = opened_files(&second_files, &counts);
-    assert!(
-        once.iter().all(|&n| n == 1),
-        "load_state_if_any: {counts:?}"
-    );
+    assert_eq!(once, expected, "load_state_if_any: {counts:?}");
     // One flipped bit in the newest weights (same size, so only the checksum can tell):
     // the older checkpoint is loaded instead, and nothing of the damaged one was applied.
     step(&mut acc, &mut opt, &vars);
@@ -150,7 +176,7 @@ fn resuming_from_a_project_reads_each_file_once_and_skips_a_damaged_newest() {
 }
 
 #[test]
-fn load_state_reads_each_file_once_and_applies_from_memory() {
+fn load_state_reads_the_weights_into_the_variables_own_buffers_and_other_files_once() {
     let root = scratch("load-once");
     let ck = root.join("ck");
     let (mut acc, vars, _opt) = saved_run(&ck);
@@ -166,18 +192,23 @@ fn load_state_reads_each_file_once_and_applies_from_memory() {
             .collect::<Vec<_>>()
     };
     assert_ne!(bits(&vars), saved, "the run moved on after saving");
+    let before = buffers(&vars);
     opened::take_under(&ck);
     acc.load_state(Some(&ck)).unwrap();
     let counts = opened::take_under(&ck);
     assert_eq!(bits(&vars), saved, "the weights are the saved ones");
-    for e in &listed {
-        assert_eq!(
-            counts.get(&ck.join(&e.path)).copied().unwrap_or(0),
-            1,
-            "{} is read exactly once by load_state: {counts:?}",
-            e.path
-        );
-    }
+    // Read into the buffers the variables had: no second copy of the weights in memory.
+    assert_eq!(
+        buffers(&vars),
+        before,
+        "the variables' buffers were replaced"
+    );
+    let files: Vec<PathBuf> = listed.iter().map(|e| ck.join(&e.path)).collect();
+    assert_eq!(
+        opened_files(&files, &counts),
+        once_but_the_model(&files),
+        "{counts:?}"
+    );
     // Once to pick the checkpoint (the main process), once for the plan every rank follows.
     let manifest = counts.get(&ck.join(MANIFEST_FILE)).copied().unwrap_or(0);
     assert!(manifest <= 2, "manifest opened {manifest} times");

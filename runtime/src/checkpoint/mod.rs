@@ -26,6 +26,7 @@
 
 pub mod background;
 pub(crate) mod checks;
+pub(crate) mod direct;
 #[doc(hidden)]
 pub mod faults;
 pub(crate) mod format;

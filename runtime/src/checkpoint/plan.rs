@@ -3,6 +3,7 @@
 //! the outcome of the search for the [`Newest`] sound checkpoint. The protocol that fills them
 //! is the facade's (`accelerator/restore.rs`, `reshard.rs`, `newest.rs`).
 
+use crate::checkpoint::direct::DirectFile;
 use crate::checkpoint::store::RankState;
 use crate::data::LoaderPosition;
 use crate::data::LoopPosition;
@@ -17,8 +18,8 @@ use std::path::{Path, PathBuf};
 pub(crate) struct Plan {
     pub(crate) dir: PathBuf,
     /// Per model: its saved weights in this run's layout, already checked against the live
-    /// variables (see [`Assembled`]).
-    pub(crate) models: Vec<Vec<Tensor>>,
+    /// variables.
+    pub(crate) models: Vec<ModelLoad>,
     pub(crate) optimizers: Vec<StateDict>,
     pub(crate) loaders: Vec<LoaderPosition>,
     /// `None` for a rank the saving run did not have: it keeps its own stream.
@@ -32,6 +33,15 @@ pub(crate) struct Plan {
     pub(crate) custom: Vec<StateDict>,
     /// The saving run's number of processes, when it differs from this run's.
     pub(crate) moved_from: Option<usize>,
+}
+
+/// How a model's checked weights reach its variables.
+pub(crate) enum ModelLoad {
+    /// Read into memory at the check, in this run's layout (see [`Assembled`]).
+    Staged(Vec<Tensor>),
+    /// A file holding exactly the model's variables: checked without keeping its bytes, read
+    /// straight into the variables when the plan is applied.
+    Direct(DirectFile),
 }
 
 /// What the facade's `classify_checkpoint` found.

@@ -24,7 +24,7 @@ const PARALLEL_MIN: usize = 16 << 20;
 /// Largest piece one positioned read asks for: ranges balance across threads even when one
 /// tensor dominates the file, and the checksum reads each piece back from the cache the read
 /// left it in.
-const PIECE: usize = 1 << 20;
+pub(super) const PIECE: usize = 1 << 20;
 
 fn io_reading(path: &Path) -> impl Fn(std::io::Error) -> Error + '_ {
     move |e| Error::io(format!("reading {}", path.display()), e)
@@ -109,7 +109,7 @@ pub(super) fn into_tensor(mut s: CpuStorage, info: &TensorInfo) -> Result<Tensor
 /// Opens `path` (see [`open_regular`]), checks its length against `expect`, and reads and
 /// parses its header. Returns the file, the header, where the data starts and the checksum of
 /// everything before it.
-fn open_with_header(
+pub(super) fn open_with_header(
     path: &Path,
     follow_links: bool,
     expect: Option<(u64, u32)>,
@@ -189,9 +189,15 @@ pub(crate) fn read_tensors(
                 },
             )?;
         } else if expect.is_some() {
-            skipped.resize(len, 0);
-            f.read_exact(&mut skipped).map_err(&io)?;
-            hasher.update(&skipped);
+            // Checked through one small buffer that stays in cache, whatever the tensor's size.
+            skipped.resize(PIECE.min(len), 0);
+            let mut left = len;
+            while left > 0 {
+                let piece = &mut skipped[..PIECE.min(left)];
+                f.read_exact(piece).map_err(&io)?;
+                hasher.update(piece);
+                left -= piece.len();
+            }
         } else {
             // Nothing to check and nothing to keep: leave those bytes on disk.
             f.seek(SeekFrom::Current(len as i64)).map_err(&io)?;
@@ -232,7 +238,7 @@ pub(crate) fn read_one(
 }
 
 /// How many threads read `bytes` of tensor data.
-fn readers(bytes: usize) -> usize {
+pub(super) fn readers(bytes: usize) -> usize {
     if bytes < PARALLEL_MIN {
         return 1;
     }
