@@ -71,6 +71,18 @@ impl Cluster {
         program: &Path,
         args: &[&str],
     ) -> std::process::Child {
+        self.launch_with(hostfile, n, &[], program, args)
+    }
+
+    /// [`launch_on`](Self::launch_on) with more launcher flags.
+    fn launch_with(
+        &self,
+        hostfile: &str,
+        n: usize,
+        flags: &[&str],
+        program: &Path,
+        args: &[&str],
+    ) -> std::process::Child {
         Command::new("bash")
             .arg(script())
             .args(["exec", "0"])
@@ -83,6 +95,7 @@ impl Cluster {
                 &n.to_string(),
             ])
             .args(["--cpu", "--collective_timeout", "5"])
+            .args(flags)
             .arg(program)
             .args(args)
             .env("IVME_CLUSTER_DIR", &self.dir)
@@ -246,6 +259,10 @@ fn two_machines_of_two_ranks_train_as_four_ranks_on_one_machine_and_a_lost_machi
     // project folder), resumed on 1 machine × 2 ranks (unsharded) and on 3 machines × 1 rank
     // (stage 2): both continue over the epoch's unused samples as plain candle does.
     saved_on_two_machines_resumes_on_one_and_on_three(&cluster);
+
+    // Machine 2 of 3 lost mid-epoch, with `--min_machines 2`: the restart runs on machines 0
+    // and 1 and resumes from the newest checkpoint; every sample of the epoch is used once.
+    a_restart_leaves_out_a_lost_machine(&cluster);
 
     // Machine 1's link cut mid-run: the ranks of machine 0 give up on machine 1's at the
     // collective deadline (5 s), and the launcher stops an mpirun that cannot reach machine 1
@@ -413,5 +430,102 @@ fn saved_on_two_machines_resumes_on_one_and_on_three(cluster: &Cluster) {
             diff <= 1e-6,
             "saved on 2 machines, resumed on {what}: max abs diff {diff} from plain candle"
         );
+    }
+}
+
+/// Plain candle on one process over the harness's shuffled order (seed 11): `saved` steps of
+/// global batch 6, then the rest of epoch 0 and then epoch 1 in global batches of 4 (a short
+/// last batch of the epoch split between the 2 ranks), `steps` in all.
+fn six_then_four(saved: usize, steps: usize) -> BTreeMap<String, Vec<f32>> {
+    let order = |e| epoch_order(24, true, 11, e);
+    let mut batches: Vec<Vec<usize>> = order(0)
+        .chunks(6)
+        .take(saved)
+        .map(<[usize]>::to_vec)
+        .collect();
+    batches.extend(order(0)[6 * saved..].chunks(4).map(<[usize]>::to_vec));
+    batches.extend(order(1).chunks(4).map(<[usize]>::to_vec));
+    batches.truncate(steps);
+    let adamw = candle_nn::ParamsAdamW {
+        lr: 0.01,
+        ..Default::default()
+    };
+    reference::train::<candle_nn::AdamW>(24, &batches, adamw)
+}
+
+fn a_restart_leaves_out_a_lost_machine(cluster: &Cluster) {
+    let harness = example_bin("harness");
+    let root = common::Scratch::new("cluster-elastic");
+    let project = root.0.join("project");
+    let out = root.0.join("out");
+    let out_arg = format!("out={}", out.display());
+    // 3 machines × 1 rank × 2 samples: 4 steps an epoch; a checkpoint after every step.
+    let more = [
+        "resume_any=1",
+        "save_every=1",
+        "steps=8",
+        "step_ms=400",
+        &out_arg,
+    ];
+    let args = resume_args(2, "no", &project, &more);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let flags = ["--max_restarts", "1", "--min_machines", "2"];
+    let mut job = cluster.launch_with(&cluster.hostfile_of(3, 1), 3, &flags, &harness, &args);
+    // Machine 2's link cut once the second checkpoint is committed.
+    let second = project.join("checkpoints/checkpoint_1/manifest.json");
+    let started = Instant::now();
+    while !second.exists() {
+        if let Some(status) = job.try_wait().unwrap() {
+            let o = job.wait_with_output().unwrap();
+            panic!(
+                "the job ended ({status}) before its second checkpoint: {:?}",
+                text(&o)
+            );
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "no second checkpoint"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    cluster.link(2, "down");
+    let cut = Instant::now();
+    let (ended, took) = wait_within(&mut job, cut, Duration::from_secs(120));
+    let o = job.wait_with_output().unwrap();
+    let (so, se) = text(&o);
+    cluster.link(2, "up");
+    assert!(ended.success(), "{so}\n{se}");
+    assert!(
+        se.contains("restarting on the 2 machines that still answer, with 2 processes (was 3)")
+            && se.contains("machine 2 (10.213.0.3)"),
+        "{se}"
+    );
+    let resumed = so
+        .lines()
+        .find_map(|l| l.strip_prefix("resumed at step "))
+        .and_then(|rest| rest.strip_suffix(" on 2 processes"))
+        .and_then(|k| k.parse::<usize>().ok())
+        .unwrap_or_else(|| panic!("no resume on 2 processes said:\n{so}\n{se}"));
+    assert!((2..4).contains(&resumed), "resumed at step {resumed}");
+    let report: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("rank0.json")).unwrap()).unwrap();
+    assert_eq!(report["world"], 2, "the job ended on 2 processes");
+    let diff = reference::max_diff(&params(&report), &six_then_four(resumed, 8));
+    assert!(
+        diff <= 1e-6,
+        "resumed at step {resumed} on 2 machines: max abs diff {diff} from plain candle"
+    );
+    eprintln!(
+        "machine 2 lost at step {resumed}: the job finished on 2 machines {took:?} after the cut"
+    );
+    // Machine 2's rank gives up at its own deadline; nothing is left anywhere.
+    let back = Instant::now();
+    while (0..3).any(|i| !cluster.processes(i).is_empty()) {
+        assert!(
+            back.elapsed() < Duration::from_secs(20),
+            "left running: {:?}",
+            (0..3).map(|i| cluster.processes(i)).collect::<Vec<_>>()
+        );
+        std::thread::sleep(Duration::from_millis(200));
     }
 }

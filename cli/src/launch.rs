@@ -7,6 +7,7 @@
 //! preemption (SIGTERM or SIGUSR1 by default), after which it exits with the requeue code.
 
 use crate::cli::Parsed;
+use crate::elastic;
 use crate::faults;
 use crate::flags::LaunchArgs;
 use crate::hosts::Hosts;
@@ -74,7 +75,7 @@ pub fn main(words: &[String]) -> Result<i32> {
     };
     let location = Location::find(args.config_file.as_deref(), lookup)?;
     let config = location.load()?;
-    let plan = LaunchPlan::resolve_with(
+    let mut plan = LaunchPlan::resolve_with(
         args,
         config.as_ref().map(|c| (location.path.as_path(), c)),
         &inherited,
@@ -145,16 +146,48 @@ pub fn main(words: &[String]) -> Result<i32> {
     }
     // The ranks' in-memory snapshots outlive each attempt, not the launcher.
     let snapshots = StatusDir(snapshot_dir());
+    let mut last_code = 1;
     loop {
-        // Every other machine answers over ssh before any rank starts (cli/src/reach.rs).
-        if let Some(hosts) = plan.hosts.as_ref().filter(|_| ctx.mpirun.is_some()) {
-            crate::reach::check(hosts)?;
+        // Every other machine answers over ssh before any rank starts (cli/src/reach.rs); on a
+        // restart with `--min_machines`, the ones that do not are left out if enough remain.
+        if let Some(hosts) = plan.hosts.clone().filter(|_| ctx.mpirun.is_some()) {
+            match plan.settings.min_machines.filter(|_| ctx.restart > 0) {
+                None => crate::reach::check(&hosts)?,
+                Some(min) => {
+                    let silent = crate::reach::silent(&hosts);
+                    if !silent.is_empty() {
+                        let lost: Vec<usize> = silent.iter().map(|(i, _)| *i).collect();
+                        let (left, n) = elastic::without(&hosts, plan.num_processes, &lost);
+                        let said: Vec<&str> = silent.iter().map(|(_, l)| l.as_str()).collect();
+                        if left.machines.len() < min {
+                            eprintln!(
+                                "ivme: not restarting: {} machine(s) still answer, fewer than \
+                                 --min_machines {min}; did not answer:\n  {}",
+                                left.machines.len(),
+                                said.join("\n  ")
+                            );
+                            return Ok(last_code);
+                        }
+                        eprintln!(
+                            "ivme: restarting on the {} machines that still answer, with {n} \
+                             processes (was {}); left out:\n  {}",
+                            left.machines.len(),
+                            plan.num_processes,
+                            said.join("\n  ")
+                        );
+                        plan.on_machines(left, n);
+                    }
+                }
+            }
         }
         let inv = plan.invocation(&ctx)?;
         let machines = plan.hosts.as_ref().map(|h| (h, plan.num_processes));
         let (code, cause) = match run_once(&inv, &preempt, &snapshots.0, machines)? {
             Ended::Done(code) => return Ok(code),
-            Ended::Failed(code, cause) => (code, cause),
+            Ended::Failed(code, cause) => {
+                last_code = code;
+                (code, cause)
+            }
             Ended::Recurs(code, note) => {
                 if ctx.restart < plan.max_restarts {
                     eprintln!(

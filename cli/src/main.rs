@@ -6,6 +6,7 @@
 
 mod cli;
 mod config_cmd;
+mod elastic;
 mod env_cmd;
 mod expand;
 mod faults;

@@ -96,6 +96,16 @@ impl LaunchPlan {
         Ok(plan)
     }
 
+    /// Runs the next attempt on `hosts` with `num_processes` ranks: an elastic restart on the
+    /// machines still there.
+    pub fn on_machines(&mut self, hosts: Hosts, num_processes: usize) {
+        self.num_machines = hosts.machines.len();
+        self.settings.num_machines = Some(self.num_machines);
+        self.num_processes = num_processes;
+        self.settings.num_processes = Some(num_processes);
+        self.hosts = Some(hosts);
+    }
+
     /// Whether the ranks go through mpirun (a lone local process runs directly).
     pub fn uses_mpi(&self) -> bool {
         self.num_processes > 1 || self.hosts.is_some()

@@ -15,9 +15,30 @@ const ANSWER: Duration = Duration::from_secs(10);
 /// name answers `ssh HOST true` through mpirun's ssh agent (`OMPI_MCA_plm_rsh_agent` when set),
 /// all at once; an error names every machine that did not, with ssh's reason.
 pub fn check(hosts: &Hosts) -> Result<()> {
+    let silent = silent(hosts);
+    if silent.is_empty() {
+        return Ok(());
+    }
+    let which = match silent.len() {
+        1 => "a machine".to_string(),
+        n => format!("{n} machines"),
+    };
+    let lines: Vec<&str> = silent.iter().map(|(_, line)| line.as_str()).collect();
+    Err(Error::Usage(format!(
+        "{which} of {} did not answer over ssh, so no rank was started:\n  {}\nmpirun starts \
+         every other machine's ranks over ssh from this one: check the address, that sshd runs \
+         there, and that it accepts this machine's key without a password",
+        hosts.origin,
+        lines.join("\n  ")
+    )))
+}
+
+/// The machines (their index among `hosts`, and a line naming them with ssh's reason) that do
+/// not answer `ssh HOST true`, asked as [`check`] asks; none where mpirun's agent is not ssh.
+pub fn silent(hosts: &Hosts) -> Vec<(usize, String)> {
     let agent = agent();
     if agent.first().and_then(|p| p.rsplit('/').next()) != Some("ssh") {
-        return Ok(()); // another agent (rsh, a scheduler's): its own rules
+        return Vec::new(); // another agent (rsh, a scheduler's): its own rules
     }
     let this = this_host();
     let remote: Vec<(usize, &str)> = hosts
@@ -56,23 +77,10 @@ pub fn check(hosts: &Hosts) -> Result<()> {
             Ok(child) => answer(child, started),
         };
         if let Some(why) = why {
-            silent.push(format!("machine {i} ({host}): {why}"));
+            silent.push((i, format!("machine {i} ({host}): {why}")));
         }
     }
-    if silent.is_empty() {
-        return Ok(());
-    }
-    let which = match silent.len() {
-        1 => "a machine".to_string(),
-        n => format!("{n} machines"),
-    };
-    Err(Error::Usage(format!(
-        "{which} of {} did not answer over ssh, so no rank was started:\n  {}\nmpirun starts \
-         every other machine's ranks over ssh from this one: check the address, that sshd runs \
-         there, and that it accepts this machine's key without a password",
-        hosts.origin,
-        silent.join("\n  ")
-    )))
+    silent
 }
 
 /// Waits for one `ssh HOST true` until [`ANSWER`] after `started`: `None` when it succeeded,

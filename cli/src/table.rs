@@ -224,6 +224,16 @@ settings! {
         example: "3", parse: values::restarts, want: "a whole number of at least 0",
         env: None, file: true, show: text, default: || Some(0),
     }
+    /// After a lost machine, restart on the machines that still answer, if at least this many.
+    min_machines: usize {
+        label: "elastic restarts", code: "", attribute: "",
+        flag: Some(Flag {
+            value_name: "count",
+            help: "a restart leaves out machines that no longer answer over ssh and runs on the rest (their ranks only) if at least this many remain; without it a restart needs every machine",
+        }),
+        example: "2", parse: values::positive, want: "a whole number of at least 1",
+        env: None, file: true, show: text, default: none,
+    }
     /// The deadline of every collective.
     collective_timeout: Duration {
         label: "collective deadline", code: "`.collective_timeout(..)` / `collective_timeout = s`",

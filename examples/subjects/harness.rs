@@ -3,10 +3,14 @@
 //! rates) to `out/rank{R}.json` so a test can compare it with plain candle.
 //!
 //! Arguments are `key=value`: `opt=sgd|adamw steps=K batch=B n=N accum=A precision=no|fp16|bf16
-//! cpu=0|1 lr=F momentum=F clip_norm=F clip_value=F sharding=no|optimizer|gradients shuffle=0|1 sched=none|step|warmup dropout=P project=DIR save_at=K resume=1 resave=DIR model_in=FILE model_out=DIR async=0|1 break=rng|loader|scheduler|optimizer loss_scale=F init_scale=F inject_inf_at=I out=DIR`.
+//! cpu=0|1 lr=F momentum=F clip_norm=F clip_value=F sharding=no|optimizer|gradients shuffle=0|1 sched=none|step|warmup dropout=P project=DIR save_at=K save_every=K resume=1 resume_any=1 step_ms=MS resave=DIR model_in=FILE model_out=DIR async=0|1 break=rng|loader|scheduler|optimizer loss_scale=F init_scale=F inject_inf_at=I out=DIR`.
 //! `steps` counts micro-steps in all (a resumed run trains only the rest; none when the loaded
 //! state is already there); `resave` saves the state again right after the load; `model_out`
 //! saves the model (`save_model`) at the end; `model_in` loads one (`load_model`) after prepare.
+//! `resume_any=1` resumes from the project's newest checkpoint when there is one (as a program
+//! restarted by `--max_restarts` does, saying `resumed at step K on N processes`),
+//! `save_every=K` saves every K micro-steps and trains on, `step_ms=MS` waits that long after
+//! each micro-step (so a test can act mid-run).
 
 use candle_core::{DType, Module, Tensor};
 use candle_nn::{linear, Linear, Optimizer, VarBuilder, VarMap};
@@ -200,6 +204,15 @@ fn main() -> ivme::Result<()> {
         acc.load_model(std::path::Path::new(file))?;
     }
     let progress = acc.register_for_checkpointing(Progress { micro: 0 });
+    // As a restartable program does: resume from the newest checkpoint when there is one.
+    if args.get("resume_any", 0u8) == 1 && acc.load_state_if_any()?.is_some() {
+        let line = format!(
+            "resumed at step {} on {} processes",
+            progress.lock().micro,
+            acc.num_processes()
+        );
+        acc.print(line);
+    }
     if args.get("resume", 0u8) == 1 {
         acc.load_state(None)?;
         // Negative controls: throw away one restored piece to show the tests would notice.
@@ -239,6 +252,8 @@ fn main() -> ivme::Result<()> {
         acc.save_state(Some(std::path::Path::new(dir)))?;
     }
     let save_at: u64 = args.get("save_at", 0);
+    let save_every: u64 = args.get("save_every", 0);
+    let step_ms: u64 = args.get("step_ms", 0);
     let steps: usize = args.get("steps", 4);
     let already = progress.lock().micro as usize >= steps;
     let inject_inf_at: i64 = args.get("inject_inf_at", -1);
@@ -288,6 +303,10 @@ fn main() -> ivme::Result<()> {
             if done as usize >= steps {
                 break 'outer;
             }
+            if save_every > 0 && done % save_every == 0 {
+                acc.save_state(None)?;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(step_ms));
         }
     }
     if let Some(dir) = args.0.get("model_out") {
