@@ -107,6 +107,20 @@ impl Cluster {
             .expect("starting ivme launch on machine 0")
     }
 
+    /// Runs `ivme ARGS` on machine 0.
+    fn ivme(&self, args: &[&str]) -> Output {
+        Command::new("bash")
+            .arg(script())
+            .args(["exec", "0"])
+            .arg(ivme_bin())
+            .args(args)
+            .env("IVME_CLUSTER_DIR", &self.dir)
+            .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+            .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+            .output()
+            .expect("running ivme on machine 0")
+    }
+
     fn run(&self, program: &Path, args: &[&str]) -> Output {
         self.launch(program, args).wait_with_output().unwrap()
     }
@@ -198,6 +212,48 @@ fn two_machines_of_two_ranks_train_as_four_ranks_on_one_machine_and_a_lost_machi
     let mut hosts: Vec<&str> = so.lines().collect();
     hosts.sort();
     assert_eq!(hosts, ["ivme-c0", "ivme-c0", "ivme-c1", "ivme-c1"], "{se}");
+
+    // `ivme test` across the machines of a config file: with a folder they share, the
+    // save/load round trip is checked too; with each machine's own /dev/shm it fails, saying why.
+    let config = cluster.dir.join("test.toml");
+    let hostfile = cluster.hostfile_of(2, 2);
+    std::fs::write(
+        &config,
+        format!("version = 1\nnum_processes = 4\ncpu = true\nhostfile = \"{hostfile}\"\n"),
+    )
+    .unwrap();
+    let shared = scratch("cluster-selftest");
+    std::fs::create_dir_all(&shared).unwrap();
+    let config = config.to_str().unwrap();
+    let o = cluster.ivme(&[
+        "test",
+        "--config_file",
+        config,
+        "--checkpoint_dir",
+        shared.to_str().unwrap(),
+    ]);
+    let (so, se) = text(&o);
+    assert!(
+        o.status.success()
+            && so.contains("ivme test: PASS: 4 process(es)")
+            && so.contains("save_state then load_state restored the weights exactly"),
+        "{so}\n{se}"
+    );
+    let _ = std::fs::remove_dir_all(&shared);
+    let o = cluster.ivme(&[
+        "test",
+        "--config_file",
+        config,
+        "--checkpoint_dir",
+        "/dev/shm",
+    ]);
+    let (so, se) = text(&o);
+    assert!(
+        !o.status.success()
+            && so.contains("ivme test: FAIL")
+            && so.contains("must be one folder every machine sees"),
+        "{so}\n{se}"
+    );
 
     // A third machine that does not exist: refused before any rank starts, naming it.
     let three = cluster.dir.join("hostfile-3");

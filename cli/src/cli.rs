@@ -20,6 +20,7 @@ const EXAMPLES: &[(&str, &str)] = &[
     ("dtype", "bf16"),
     ("adapter", "lora-out"),
     ("base", "pretrained"),
+    ("checkpoint_dir", "/shared/ivme-test"),
 ];
 
 /// The value name that makes a flag a switch (an `Option<bool>` field): `--cpu` alone means

@@ -40,6 +40,9 @@ struct Flags {
     /// the config file to test (default: $IVME_CONFIG, else ~/.config/ivme/default_config.toml)
     #[arg(long, value_name = "file", value_parser = Checked::new(values::text))]
     config_file: Option<String>,
+    /// a folder every machine sees at the same path, to check save_state/load_state across machines (one machine: a temporary folder)
+    #[arg(long, value_name = "folder", value_parser = Checked::new(values::text))]
+    checkpoint_dir: Option<String>,
 }
 
 const BATCH: usize = 2;
@@ -73,9 +76,19 @@ pub fn main(words: &[String]) -> Result<i32> {
         RANK_COMMAND.into(),
         dir.display().to_string(),
     ]);
+    // The state round trip's own folder inside the shared one, removed afterwards.
+    let shared = flags
+        .checkpoint_dir
+        .map(|d| Path::new(&d).join(format!("ivme-selftest-{}-{nanos}", std::process::id())));
+    if let Some(shared) = &shared {
+        launch_words.push(shared.display().to_string());
+    }
     let launched = launch::main(&launch_words);
     let verdict = verdict(&dir, launched);
     let _ = std::fs::remove_dir_all(&dir);
+    if let Some(shared) = &shared {
+        let _ = std::fs::remove_dir_all(shared);
+    }
     match verdict {
         Ok(summary) => {
             println!("ivme test: PASS: {summary}");
@@ -103,7 +116,9 @@ fn verdict(dir: &Path, launched: Result<i32>) -> std::result::Result<String, Str
                 .collect()
         })
         .unwrap_or_default();
-    failures.sort();
+    // A rank's own error before the others' echoes of it ("failed on rank(s) [2]; see their
+    // error messages"), then by rank.
+    failures.sort_by_key(|(rank, msg)| (msg.contains("see their error messages"), *rank));
     if let Some((rank, msg)) = failures.first() {
         return Err(format!("rank {rank}: {}", msg.trim()));
     }
@@ -117,16 +132,20 @@ fn verdict(dir: &Path, launched: Result<i32>) -> std::result::Result<String, Str
         .map_err(|_| "no rank reported a result (did rank 0 start?)".to_string())
 }
 
-/// Runs `__selftest DIR` on one rank and returns its exit code.
+/// Runs `__selftest DIR [SHARED]` on one rank and returns its exit code.
 pub fn rank_main(words: &[String]) -> Result<i32> {
-    let [dir] = words else {
-        return Err(Error::Usage(format!(
-            "`ivme {RANK_COMMAND}` is started by `ivme test`; run `ivme test` instead"
-        )));
+    let (dir, shared) = match words {
+        [dir] => (dir, None),
+        [dir, shared] => (dir, Some(PathBuf::from(shared))),
+        _ => {
+            return Err(Error::Usage(format!(
+                "`ivme {RANK_COMMAND}` is started by `ivme test`; run `ivme test` instead"
+            )))
+        }
     };
     let dir = PathBuf::from(dir);
     let rank = EnvLayout::from_env().ok().flatten().map_or(0, |l| l.rank);
-    match checks(&dir) {
+    match checks(&dir, shared.as_deref()) {
         Ok(Some(summary)) => {
             std::fs::write(dir.join(PASS_FILE), summary)
                 .map_err(|e| Error::io("writing the test verdict", e))?;
@@ -289,7 +308,7 @@ impl Run {
 }
 
 /// The checks one rank runs in `dir`; rank 0 returns the summary.
-fn checks(dir: &Path) -> std::result::Result<Option<String>, String> {
+fn checks(dir: &Path, shared: Option<&Path>) -> std::result::Result<Option<String>, String> {
     // A loss scale that suits this tiny model, so fp16 mostly steps rather than skips.
     let builder = Accelerator::builder().seed(7).initial_loss_scale(256.0);
     let mut acc = during("building the Accelerator", builder.build())?;
@@ -408,16 +427,21 @@ fn checks(dir: &Path) -> std::result::Result<Option<String>, String> {
         ));
     }
     // Every rank writes its part of the state into one folder, which several machines share
-    // only if it is on a shared file system, so the round trip is checked on one machine.
+    // only if it is on a shared file system: across machines, only in the folder given.
     let machines: usize = std::env::var("IVME_NUM_MACHINES")
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(1);
-    let state = if machines > 1 {
-        "save_state/load_state not checked (several machines need a shared folder)"
-    } else {
-        run.state_round_trip(dir)?;
-        "save_state then load_state restored the weights exactly and training resumed bit for bit"
+    let state = match shared {
+        None if machines > 1 => {
+            "save_state/load_state not checked (several machines need a shared folder: give \
+             one with `ivme test --checkpoint_dir DIR`)"
+        }
+        folder => {
+            run.state_round_trip(folder.unwrap_or(dir))?;
+            "save_state then load_state restored the weights exactly and training resumed bit \
+             for bit"
+        }
     };
     Ok((rank == 0).then(|| {
         format!(
