@@ -1,45 +1,168 @@
-//! Step time of the llama example's training step through ivme against the same step written by
-//! hand in plain candle, in one run, on one process.
+//! A candle-transformers Llama's training step through ivme against the same step written by
+//! hand in plain candle, at four model sizes, each system in a process of its own.
 //!
 //! ```text
 //! cargo build --release -p ivme-models --examples
-//! target/release/examples/bench_llama [rounds]
+//! target/release/examples/bench_llama [rounds=3] [sizes=T,S,M,L] [f32|bf16]
 //! ```
 //!
-//! Both loops train the same candle-transformers Llama on the same byte batches: 2 micro-batches
-//! per optimizer step, global-norm clipping at 1.0, AdamW. The plain loop sums the two gradient
-//! stores, clips and steps candle-nn's AdamW itself; in bf16 its weights and AdamW state are bf16
-//! (what plain candle offers), while ivme keeps f32 masters and moments. Rounds alternate the two
-//! loops; the median round counts.
+//! The step: 2 micro-batches, global-norm clipping at 1.0, AdamW (lr 3e-4), the loss on the
+//! last position's logits. The plain loop sums the two gradient stores, clips and steps
+//! candle-nn's AdamW itself; ivme's is an `Accelerator` with `grad_accum(2)`,
+//! `clip_grad_norm(1.0)` and its own AdamW. Every (system, size, allocator) measurement runs
+//! in a process of its own (timing both in one process misleads: glibc's dynamic mmap threshold
+//! favours whichever loop runs later), one warm-up step and then the timed steps; rounds
+//! alternate which system goes first; medians. Two allocator settings: as each program starts
+//! by itself (glibc's defaults; building an Accelerator tunes glibc with `mallopt`), and glibc
+//! tuned for both by `ivme launch`'s variables. In bf16 the plain loop keeps bf16 weights and
+//! AdamW state (what plain candle offers) and ivme f32 masters and moments.
+//!
+//! Sizes: T is the llama example's own model (0.2 M parameters, batch 16 × 32 bytes); S hidden
+//! 256, 4 layers, vocab 4096, batch 8 × 64 (5 M); M hidden 512, 6 layers, vocab 8192, batch
+//! 4 × 128 (31 M); L hidden 768, 12 layers, vocab 16384, batch 2 × 128 (103 M).
+//!
+//! `bench_llama one SYSTEM SIZE STEPS PRECISION` runs one measurement and prints ms per step.
 
-#[path = "support/bytes_llama.rs"]
-mod bytes_llama;
 #[path = "support/init.rs"]
 mod init;
+#[path = "../../examples/support/rounds.rs"]
+mod rounds;
 
-use bytes_llama::{batches, config, loss_of, text, Batch};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{Optimizer, VarBuilder, VarMap};
 use candle_transformers::models::llama;
 use ivme::optim::{AdamW, ParamsAdamW};
+use ivme::rng::Rng;
 use ivme::{Accelerator, Precision};
 use std::time::Instant;
 
-const LR: f64 = 3e-3;
+const LR: f64 = 3e-4;
 
-fn model(varmap: &VarMap, dtype: DType) -> candle_core::Result<(llama::Llama, llama::Cache)> {
-    let cfg = config();
+/// A model size: its config, its micro-batch (samples × tokens), and how many steps to time.
+struct Size {
+    name: &'static str,
+    hidden: usize,
+    layers: usize,
+    heads: usize,
+    kv_heads: usize,
+    mlp: usize,
+    vocab: usize,
+    batch: usize,
+    tokens: usize,
+    steps: usize,
+}
+
+const SIZES: [Size; 4] = [
+    Size {
+        name: "T",
+        hidden: 64,
+        layers: 2,
+        heads: 4,
+        kv_heads: 2,
+        mlp: 128,
+        vocab: 256,
+        batch: 16,
+        tokens: 32,
+        steps: 30,
+    },
+    Size {
+        name: "S",
+        hidden: 256,
+        layers: 4,
+        heads: 8,
+        kv_heads: 4,
+        mlp: 688,
+        vocab: 4096,
+        batch: 8,
+        tokens: 64,
+        steps: 8,
+    },
+    Size {
+        name: "M",
+        hidden: 512,
+        layers: 6,
+        heads: 8,
+        kv_heads: 4,
+        mlp: 1376,
+        vocab: 8192,
+        batch: 4,
+        tokens: 128,
+        steps: 4,
+    },
+    Size {
+        name: "L",
+        hidden: 768,
+        layers: 12,
+        heads: 12,
+        kv_heads: 4,
+        mlp: 2048,
+        vocab: 16384,
+        batch: 2,
+        tokens: 128,
+        steps: 2,
+    },
+];
+
+fn config(s: &Size) -> llama::Config {
+    llama::LlamaConfig {
+        hidden_size: s.hidden,
+        intermediate_size: s.mlp,
+        vocab_size: s.vocab,
+        num_hidden_layers: s.layers,
+        num_attention_heads: s.heads,
+        num_key_value_heads: Some(s.kv_heads),
+        rms_norm_eps: 1e-5,
+        rope_theta: 10_000.0,
+        bos_token_id: None,
+        eos_token_id: None,
+        rope_scaling: None,
+        max_position_embeddings: s.tokens,
+        tie_word_embeddings: Some(false),
+    }
+    .into_config(false)
+}
+
+type Batch = (Tensor, Tensor);
+
+/// Two micro-batches of seeded random tokens and their targets.
+fn data(s: &Size) -> candle_core::Result<Vec<Batch>> {
+    let mut rng = Rng::new(7);
+    let mut token = || (rng.next_u64() % s.vocab as u64) as u32;
+    (0..2)
+        .map(|_| {
+            let x: Vec<u32> = (0..s.batch * s.tokens).map(|_| token()).collect();
+            let y: Vec<u32> = (0..s.batch).map(|_| token()).collect();
+            Ok((
+                Tensor::from_vec(x, (s.batch, s.tokens), &Device::Cpu)?,
+                Tensor::from_vec(y, s.batch, &Device::Cpu)?,
+            ))
+        })
+        .collect()
+}
+
+fn model(
+    s: &Size,
+    varmap: &VarMap,
+    dtype: DType,
+) -> candle_core::Result<(llama::Llama, llama::Cache)> {
+    let cfg = config(s);
     let vb = VarBuilder::from_varmap(varmap, dtype, &Device::Cpu);
     let cache = llama::Cache::new(false, dtype, &cfg, &Device::Cpu)?;
     let model = llama::Llama::load(vb, &cfg)?;
-    init::reinit(varmap, 17, 0.05)?;
+    init::reinit(varmap, 17, 0.02)?;
     Ok((model, cache))
 }
 
-/// Milliseconds per optimizer step of plain candle: accumulate, clip, step, all by hand.
-fn plain(dtype: DType, data: &[Batch]) -> candle_core::Result<f64> {
+fn loss_of(logits: &Tensor, targets: &Tensor) -> candle_core::Result<Tensor> {
+    candle_nn::loss::cross_entropy(&logits.to_dtype(DType::F32)?, targets)
+}
+
+/// Milliseconds per step of plain candle (accumulate, clip, step, all by hand), after one
+/// warm-up step.
+fn plain(s: &Size, dtype: DType) -> candle_core::Result<f64> {
     let varmap = VarMap::new();
-    let (model, mut cache) = model(&varmap, dtype)?;
+    let (model, mut cache) = model(s, &varmap, dtype)?;
+    let data = data(s)?;
     let vars = varmap.all_vars();
     let mut opt = candle_nn::AdamW::new(
         vars.clone(),
@@ -48,22 +171,21 @@ fn plain(dtype: DType, data: &[Batch]) -> candle_core::Result<f64> {
             ..Default::default()
         },
     )?;
-    let t = Instant::now();
-    for pair in data.chunks_exact(2) {
+    let mut step = || -> candle_core::Result<()> {
         let mut sum: Option<candle_core::backprop::GradStore> = None;
-        for (x, y) in pair {
+        for (x, y) in &data {
             let loss = (loss_of(&model.forward(x, 0, &mut cache)?, y)? / 2.0)?;
             let grads = loss.backward()?;
             sum = Some(match sum {
                 None => grads,
-                Some(mut s) => {
+                Some(mut acc) => {
                     for v in &vars {
-                        if let (Some(a), Some(b)) = (s.get(v), grads.get(v)) {
+                        if let (Some(a), Some(b)) = (acc.get(v), grads.get(v)) {
                             let total = a.add(b)?;
-                            s.insert(v, total);
+                            acc.insert(v, total);
                         }
                     }
-                    s
+                    acc
                 }
             });
         }
@@ -82,15 +204,26 @@ fn plain(dtype: DType, data: &[Batch]) -> candle_core::Result<f64> {
                 }
             }
         }
-        opt.step(&grads)?;
+        opt.step(&grads)
+    };
+    step()?;
+    let t = Instant::now();
+    for _ in 0..s.steps {
+        step()?;
     }
-    Ok(t.elapsed().as_secs_f64() * 1e3 / (data.len() / 2) as f64)
+    Ok(t.elapsed().as_secs_f64() * 1e3 / s.steps as f64)
 }
 
-/// Milliseconds per optimizer step of the same training through an Accelerator.
-fn accelerated(acc: &mut Accelerator, data: &[Batch]) -> ivme::Result<f64> {
+/// Milliseconds per step of the same training through an Accelerator, after one warm-up step.
+fn accelerated(s: &Size, precision: Precision) -> ivme::Result<f64> {
+    let mut acc = Accelerator::builder()
+        .grad_accum(2)
+        .clip_grad_norm(1.0)
+        .precision(precision)
+        .build()?;
     let varmap = VarMap::new();
-    let (model, mut cache) = model(&varmap, acc.param_dtype(DType::F32))?;
+    let (model, mut cache) = model(s, &varmap, acc.param_dtype(DType::F32))?;
+    let data = data(s)?;
     let opt = AdamW::new(
         varmap.all_vars(),
         ParamsAdamW {
@@ -99,13 +232,20 @@ fn accelerated(acc: &mut Accelerator, data: &[Batch]) -> ivme::Result<f64> {
         },
     )?;
     let (_varmap, mut opt) = acc.prepare((varmap, opt))?;
+    let mut step = |acc: &mut Accelerator| -> ivme::Result<()> {
+        for (x, y) in &data {
+            let loss = loss_of(&model.forward(x, 0, &mut cache)?, y)?;
+            let grads = acc.backward(&loss)?;
+            opt.step(&grads)?;
+        }
+        Ok(())
+    };
+    step(&mut acc)?;
     let t = Instant::now();
-    for (x, y) in &data[..data.len() / 2 * 2] {
-        let loss = loss_of(&model.forward(x, 0, &mut cache)?, y)?;
-        let grads = acc.backward(&loss)?;
-        opt.step(&grads)?;
+    for _ in 0..s.steps {
+        step(&mut acc)?;
     }
-    Ok(t.elapsed().as_secs_f64() * 1e3 / (data.len() / 2) as f64)
+    Ok(t.elapsed().as_secs_f64() * 1e3 / s.steps as f64)
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -113,41 +253,92 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+fn size(name: &str) -> ivme::Result<&'static Size> {
+    SIZES
+        .iter()
+        .find(|s| s.name == name)
+        .ok_or_else(|| ivme::Error::Usage(format!("unknown size `{name}`: use T, S, M or L")))
+}
+
+fn precision_of(word: &str) -> ivme::Result<Precision> {
+    match word {
+        "f32" => Ok(Precision::No),
+        "bf16" => Ok(Precision::Bf16),
+        other => Err(ivme::Error::Usage(format!(
+            "unknown precision `{other}`: use f32 or bf16"
+        ))),
+    }
+}
+
 fn main() -> ivme::Result<()> {
-    let rounds: usize = std::env::args()
-        .nth(1)
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.first().map(String::as_str) == Some("one") {
+        let s = size(&args[2])?;
+        let precision = precision_of(&args[3])?;
+        let ms = match args[1].as_str() {
+            "plain" => plain(s, precision.compute_dtype())?,
+            _ => accelerated(s, precision)?,
+        };
+        println!("{ms}");
+        return Ok(());
+    }
+    let rounds: usize = args
+        .first()
         .and_then(|a| a.parse().ok())
-        .unwrap_or(5);
-    let (data, _) = batches(&text())?;
+        .unwrap_or(3)
+        .max(1);
+    let sizes: Vec<&Size> = args
+        .get(1)
+        .map_or("T,S,M,L", String::as_str)
+        .split(',')
+        .map(size)
+        .collect::<ivme::Result<_>>()?;
+    let word = args.get(2).map_or("f32", String::as_str);
+    precision_of(word)?;
+    let tuned = [
+        ("MALLOC_MMAP_THRESHOLD_", "33554432"),
+        ("MALLOC_TRIM_THRESHOLD_", "17179869184"),
+    ];
     println!(
-        "llama step time, 1 process, {} micro-batches of {} windows per round",
-        data.len() / 2 * 2,
-        bytes_llama::BATCH
+        "llama training step, {word}, 1 process, {rounds} rounds (medians), each system in its \
+         own process; RAYON_NUM_THREADS={}",
+        std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| "unset".into())
     );
-    for precision in [Precision::No, Precision::Bf16] {
-        let mut acc = Accelerator::builder()
-            .grad_accum(2)
-            .clip_grad_norm(1.0)
-            .precision(precision)
-            .build()?;
-        let dtype = precision.compute_dtype();
-        plain(dtype, &data)?; // warm-up
-        let (mut p, mut a) = (Vec::new(), Vec::new());
-        for round in 0..rounds {
-            if round % 2 == 0 {
-                p.push(plain(dtype, &data)?);
-                a.push(accelerated(&mut acc, &data)?);
-            } else {
-                a.push(accelerated(&mut acc, &data)?);
-                p.push(plain(dtype, &data)?);
+    println!(
+        "| size | parameters | allocator | plain candle ms/step | ivme ms/step | ivme / candle |"
+    );
+    println!("|---|---|---|---|---|---|");
+    for s in sizes {
+        let params = {
+            let varmap = VarMap::new();
+            model(s, &varmap, DType::F32)?;
+            varmap
+                .all_vars()
+                .iter()
+                .map(|v| v.elem_count())
+                .sum::<usize>()
+        };
+        for (label, envs) in [("glibc defaults", &[][..]), ("tuned", &tuned[..])] {
+            let (mut p, mut a) = (Vec::new(), Vec::new());
+            for round in 0..rounds {
+                let systems = if round % 2 == 0 {
+                    ["plain", "ivme"]
+                } else {
+                    ["ivme", "plain"]
+                };
+                for system in systems {
+                    let ms = rounds::in_own_process(&["one", system, s.name, word], envs)?;
+                    if system == "plain" { &mut p } else { &mut a }.push(ms);
+                }
             }
+            let (p, a) = (median(p), median(a));
+            println!(
+                "| {} | {:.1} M | {label} | {p:.1} | {a:.1} | {:.3} |",
+                s.name,
+                params as f64 / 1e6,
+                a / p
+            );
         }
-        let (p, a) = (median(p), median(a));
-        println!(
-            "  {:<4} plain candle {p:6.2} ms/step   ivme {a:6.2} ms/step   ratio {:.3}",
-            precision.as_str(),
-            a / p
-        );
     }
     Ok(())
 }
