@@ -71,15 +71,16 @@ impl Cluster {
         program: &Path,
         args: &[&str],
     ) -> std::process::Child {
-        self.launch_with(hostfile, n, &[], program, args)
+        self.launch_with(hostfile, n, &[], &[], program, args)
     }
 
-    /// [`launch_on`](Self::launch_on) with more launcher flags.
+    /// [`launch_on`](Self::launch_on) with more launcher flags and variables.
     fn launch_with(
         &self,
         hostfile: &str,
         n: usize,
         flags: &[&str],
+        envs: &[(&str, &str)],
         program: &Path,
         args: &[&str],
     ) -> std::process::Child {
@@ -101,6 +102,7 @@ impl Cluster {
             .env("IVME_CLUSTER_DIR", &self.dir)
             .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
             .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+            .envs(envs.iter().copied())
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::piped())
             .spawn()
@@ -280,6 +282,29 @@ fn two_machines_of_two_ranks_train_as_four_ranks_on_one_machine_and_a_lost_machi
     assert!(!se.contains("machine 1 ("), "machine 1 answers: {se}");
     assert!(!marker.exists(), "a rank started");
     assert!(took < Duration::from_secs(15), "{took:?}");
+
+    // A rank of machine 1 fails while the launcher's status folder is machine 0's own (its
+    // TMPDIR in /dev/shm, which machine 1 does not share, as on real machines): the rank's
+    // record reaches the launcher through mpirun, and the launcher names it.
+    let faults = example_bin("faults");
+    let o = cluster
+        .launch_with(
+            &cluster.hostfile_of(2, 2),
+            4,
+            &[],
+            &[("TMPDIR", "/dev/shm")],
+            &faults,
+            &["mode=err", "rank=3", "at=2"],
+        )
+        .wait_with_output()
+        .unwrap();
+    let (_, se) = text(&o);
+    assert!(!o.status.success(), "{se}");
+    assert!(se.contains("rank 3 failed first, with exit code 1"), "{se}");
+    assert!(
+        !se.contains("ivme-status"),
+        "relayed records are not shown: {se}"
+    );
 
     // Plain data parallelism and ZeRO stage 2: bit for bit the 4-rank run on one machine (the
     // same collectives in the same order; only the transport differs).
@@ -526,7 +551,8 @@ fn a_restart_leaves_out_a_lost_machine(cluster: &Cluster) {
     let args = resume_args(2, "no", &project, &more);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let flags = ["--max_restarts", "1", "--min_machines", "2"];
-    let mut job = cluster.launch_with(&cluster.hostfile_of(3, 1), 3, &flags, &harness, &args);
+    let hostfile = cluster.hostfile_of(3, 1);
+    let mut job = cluster.launch_with(&hostfile, 3, &flags, &[], &harness, &args);
     // Machine 2's link cut once the second checkpoint is committed.
     let second = project.join("checkpoints/checkpoint_1/manifest.json");
     let started = Instant::now();

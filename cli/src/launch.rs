@@ -282,7 +282,8 @@ fn run_once(
     let failed = |dir: &Path| Failure::read_all(dir).is_ok_and(|f| !f.is_empty());
     let failed = inv.status_dir.as_deref().map(|dir| move || failed(dir));
     let started = |child: &mut std::process::Child| {
-        watch = child.stderr.take().map(LostMachines::watch);
+        let relayed = inv.status_dir.clone();
+        watch = child.stderr.take().map(|s| LostMachines::watch(s, relayed));
     };
     let outcome = process::supervise_with(
         &mut cmd,

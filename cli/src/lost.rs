@@ -1,9 +1,13 @@
 //! Which machine a multi-machine job lost: mpirun's messages are passed on to the user line by
 //! line as they come, and the machines they say mpirun lost its connection to are noted, so
 //! the launcher can end by naming the machine and its ranks instead of only "mpirun failed".
+//! Status files that ranks on other machines relay on their stderr (`rank.rs`) are written into
+//! the launcher's status folder rather than shown.
 
 use crate::hosts::Hosts;
+use crate::rank;
 use std::io::{BufRead, BufReader, Read, Write};
+use std::path::PathBuf;
 use std::sync::mpsc::{channel, Receiver};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -15,8 +19,9 @@ pub struct LostMachines {
 }
 
 impl LostMachines {
-    /// Starts copying `stderr` (mpirun's) to this process's stderr, line by line.
-    pub fn watch(stderr: impl Read + Send + 'static) -> LostMachines {
+    /// Starts copying `stderr` (mpirun's) to this process's stderr, line by line; the status
+    /// files that ranks on other machines relay there are written into `status_dir` instead.
+    pub fn watch(stderr: impl Read + Send + 'static, status_dir: Option<PathBuf>) -> LostMachines {
         let found = Arc::new(Mutex::new(Vec::new()));
         let noted = found.clone();
         let (finished, done) = channel();
@@ -24,8 +29,16 @@ impl LostMachines {
             let mut lines = BufReader::new(stderr);
             let mut line = Vec::new();
             while matches!(lines.read_until(b'\n', &mut line), Ok(n) if n > 0) {
+                let text = String::from_utf8_lossy(&line);
+                if status_dir
+                    .as_deref()
+                    .is_some_and(|d| rank::receive(&text, d))
+                {
+                    line.clear();
+                    continue;
+                }
                 let _ = std::io::stderr().write_all(&line);
-                if let Some(host) = lost_machine(&String::from_utf8_lossy(&line)) {
+                if let Some(host) = lost_machine(&text) {
                     let mut noted = noted.lock().unwrap_or_else(|e| e.into_inner());
                     if !noted.contains(&host) {
                         noted.push(host);
@@ -142,7 +155,7 @@ mod tests {
     #[test]
     fn every_line_is_passed_on_and_the_machines_noted_once() {
         let text = "x\nConnection to b closed by remote host.\n  Peer host: b\ny";
-        let watch = LostMachines::watch(std::io::Cursor::new(text.as_bytes().to_vec()));
+        let watch = LostMachines::watch(std::io::Cursor::new(text.as_bytes().to_vec()), None);
         assert_eq!(watch.finish(), vec!["b".to_string()]);
     }
 }

@@ -48,6 +48,78 @@ pub fn recurring(dir: &Path) -> Vec<(usize, String)> {
 /// The code recorded when the program could not be started at all (the shell's convention).
 const CANNOT_START: i32 = 127;
 
+/// What starts a status file relayed on stderr: `ivme-status NAME HEX`, the file's name and its
+/// bytes in hexadecimal, on one line.
+const RELAY_MARK: &str = "ivme-status ";
+
+/// The status files of `rank`: its failure, the peer it stopped for, a failure that would
+/// recur, a preemption it stopped for.
+fn status_files(rank: usize) -> [String; 4] {
+    [
+        Failure::file_name(rank),
+        format!("{CAUSE_PREFIX}{rank}"),
+        format!("{FINAL_PREFIX}{rank}"),
+        format!("{}{rank}", ivme::preempt::MARKER_PREFIX),
+    ]
+}
+
+/// Prints the status files `rank` left in `dir` on stderr, one relay line each. On another
+/// machine the launcher's status folder is a folder of that machine: mpirun carries this
+/// rank's stderr to the launcher, which writes the files into its own folder ([`receive`]).
+fn relay(dir: &Path, rank: usize) {
+    for name in status_files(rank) {
+        if let Ok(bytes) = std::fs::read(dir.join(&name)) {
+            let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+            // One write, so that mpirun forwards the line whole.
+            let line = format!("{RELAY_MARK}{name} {hex}\n");
+            let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
+        }
+    }
+}
+
+/// Whether `line` (from mpirun's stderr) is a rank's relayed status file; if so, writes it into
+/// `dir` (the launcher's status folder) unless a file of that name is there already. Only the
+/// names of [`status_files`] are accepted.
+pub fn receive(line: &str, dir: &Path) -> bool {
+    let Some(at) = line.find(RELAY_MARK) else {
+        return false;
+    };
+    let mut words = line[at + RELAY_MARK.len()..].split_whitespace();
+    let (Some(name), hex) = (words.next(), words.next().unwrap_or("")) else {
+        return false;
+    };
+    // Every status file's name ends in `-RANK`.
+    let rank = name
+        .rsplit_once('-')
+        .and_then(|(_, r)| r.parse::<usize>().ok());
+    let known = rank.is_some_and(|r| status_files(r).iter().any(|n| n == name));
+    let bytes: Option<Vec<u8>> = (hex.len() % 2 == 0)
+        .then(|| {
+            (0..hex.len())
+                .step_by(2)
+                .map(|i| u8::from_str_radix(hex.get(i..i + 2)?, 16).ok())
+                .collect()
+        })
+        .flatten();
+    let (true, Some(bytes)) = (known, bytes) else {
+        return false;
+    };
+    let path = dir.join(name);
+    if !path.exists() {
+        let _ = std::fs::create_dir_all(dir);
+        let _ = std::fs::write(path, bytes);
+    }
+    true
+}
+
+/// Whether this rank's launcher may be on another machine (`IVME_NUM_MACHINES` above 1).
+fn on_several_machines() -> bool {
+    std::env::var(ivme::env::NUM_MACHINES.name)
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .is_some_and(|n| n > 1)
+}
+
 /// One rank's failure as recorded in the status folder.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Failure {
@@ -228,9 +300,18 @@ pub fn main(args: &[String]) -> Result<i32> {
     // A rank mpirun told to stop (because another failed, or on Ctrl-C) did not fail itself.
     // A program that stopped for a preemption noted it: its error exit is not a failure, and
     // ending with 0 spares mpirun's second of tearing down a failed job.
+    let code = ended(&status_dir, rank, &outcome);
+    if on_several_machines() {
+        relay(&status_dir, rank);
+    }
+    Ok(code)
+}
+
+/// Records how the program ended in `status_dir` and returns the wrapper's exit code.
+fn ended(status_dir: &Path, rank: usize, outcome: &Outcome) -> i32 {
     let marker = status_dir.join(format!("{}{rank}", ivme::preempt::MARKER_PREFIX));
     if outcome.code != 0 && marker.is_file() {
-        return Ok(0);
+        return 0;
     }
     if outcome.code != 0 && process::stopped_by().is_none() {
         eprintln!("ivme: rank {rank} failed with {}", outcome.describe());
@@ -244,14 +325,14 @@ pub fn main(args: &[String]) -> Result<i32> {
             signal: outcome.signal,
             because_of: None,
         };
-        if let Err(e) = failure.record(&status_dir) {
+        if let Err(e) = failure.record(status_dir) {
             eprintln!(
                 "ivme: rank {rank} could not record its failure in {}: {e}",
                 status_dir.display()
             );
         }
     }
-    Ok(outcome.code)
+    outcome.code
 }
 
 #[cfg(test)]
@@ -334,6 +415,45 @@ mod tests {
             got[1].describe(),
             "rank 2 failed with exit code 143 (killed by signal 15)"
         );
+    }
+
+    #[test]
+    fn a_relayed_status_file_is_written_once_and_nothing_else_is_accepted() {
+        let dir = temp_dir("relay");
+        let _ = std::fs::remove_dir_all(&dir);
+        // As mpirun passes it on, possibly after a prefix of its own.
+        assert!(receive(
+            "[1,3]<stderr>:ivme-status rank-3 3320313030300a\n",
+            &dir
+        ));
+        assert_eq!(
+            std::fs::read_to_string(dir.join("rank-3")).unwrap(),
+            "3 1000\n"
+        );
+        // A file already there (written on this machine) is kept.
+        assert!(receive("ivme-status rank-3 390a", &dir));
+        assert_eq!(
+            std::fs::read_to_string(dir.join("rank-3")).unwrap(),
+            "3 1000\n"
+        );
+        assert!(receive("ivme-status cause-2 310a", &dir));
+        assert_eq!(std::fs::read_to_string(dir.join("cause-2")).unwrap(), "1\n");
+        for bad in [
+            "an ordinary line",
+            "ivme-status ../../etc/passwd 31",
+            "ivme-status rank-x 31",
+            "ivme-status other-3 31",
+            "ivme-status final-1 3",
+            "ivme-status final-1 zz",
+        ] {
+            assert!(!receive(bad, &dir), "{bad}");
+        }
+        let names: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(names.len(), 2, "{names:?}");
     }
 
     #[test]
