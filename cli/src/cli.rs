@@ -21,6 +21,9 @@ const EXAMPLES: &[(&str, &str)] = &[
     ("adapter", "lora-out"),
     ("base", "pretrained"),
     ("checkpoint_dir", "/shared/ivme-test"),
+    ("out", "runs/profile/profile.svg"),
+    ("steps", "4"),
+    ("metric", "loss"),
 ];
 
 /// The value name that makes a flag a switch (an `Option<bool>` field): `--cpu` alone means

@@ -144,6 +144,17 @@ pub fn main(words: &[String]) -> Result<i32> {
         );
         return Ok(0);
     }
+    let profile = plan.settings.profile.clone();
+    let started = std::time::SystemTime::now();
+    let code = attempts(&mut plan, &mut ctx, &preempt)?;
+    if let Some(dir) = profile {
+        crate::profile_cmd::after_launch(&dir, started);
+    }
+    Ok(code)
+}
+
+/// Runs the job, and again after a failure while `--max_restarts` allows; the exit code.
+fn attempts(plan: &mut LaunchPlan, ctx: &mut Context, preempt: &Preemption) -> Result<i32> {
     // The ranks' in-memory snapshots outlive each attempt, not the launcher.
     let snapshots = StatusDir(snapshot_dir());
     let mut last_code = 1;
@@ -180,9 +191,9 @@ pub fn main(words: &[String]) -> Result<i32> {
                 }
             }
         }
-        let inv = plan.invocation(&ctx)?;
+        let inv = plan.invocation(ctx)?;
         let machines = plan.hosts.as_ref().map(|h| (h, plan.num_processes));
-        let (code, cause) = match run_once(&inv, &preempt, &snapshots.0, machines)? {
+        let (code, cause) = match run_once(&inv, preempt, &snapshots.0, machines)? {
             Ended::Done(code) => return Ok(code),
             Ended::Failed(code, cause) => {
                 last_code = code;

@@ -20,6 +20,7 @@ mod merge_cmd;
 mod mpirun;
 mod plan;
 mod process;
+mod profile_cmd;
 mod prompt;
 mod rank;
 mod reach;
@@ -72,6 +73,9 @@ enum Commands {
     /// write a training checkpoint's weights (any layout) as a Hugging Face model folder
     #[command(name = merge_cmd::COMMAND)]
     MergeWeights(Words),
+    /// summarise and draw a profile that `ivme launch --profile DIR` recorded
+    #[command(name = profile_cmd::COMMAND)]
+    Profile(Words),
     /// The launcher's wrapper around each rank.
     #[command(name = rank::COMMAND, hide = true)]
     Rank(Words),
@@ -111,6 +115,7 @@ fn run(argv: &[String]) -> Result<i32> {
         Commands::Test(w) => selftest::main(&w.words),
         Commands::Expand(w) => expand::main(&w.words),
         Commands::MergeWeights(w) => merge_cmd::main(&w.words),
+        Commands::Profile(w) => profile_cmd::main(&w.words),
         Commands::Rank(w) => rank::main(&w.words),
         Commands::SelftestRank(w) => selftest::rank_main(&w.words),
     }

@@ -312,6 +312,22 @@ settings! {
         env: Some(Env { var: env::SNAPSHOT_EVERY, read: true, to_ranks: passed }),
         file: true, show: text, default: || Some(0),
     }
+    /// Profile the run into this folder: each rank's phases per step, traces and a summary.
+    profile: PathBuf {
+        label: "profile", code: "`.profile(dir)` / `profile = \"dir\"`",
+        attribute: "profile",
+        flag: Some(Flag {
+            value_name: "dir",
+            help: "record each rank's phases per step into DIR (Chrome traces, a summary at the end; `ivme profile DIR` draws it), IVME_PROFILE",
+        }),
+        example: "runs/profile", parse: values::path, want: env::PROFILE.values,
+        env: Some(Env {
+            var: env::PROFILE,
+            read: true,
+            to_ranks: |p| Some(std::path::absolute(p).unwrap_or_else(|_| p.clone()).display().to_string()),
+        }),
+        file: true, show: |p| p.display().to_string(), default: none,
+    }
 }
 
 /// The row of the setting with this key.

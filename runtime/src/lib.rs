@@ -64,7 +64,7 @@ pub use train::grads::{self, Gradients};
 // Public paths from before the parts had folders of their own.
 pub use accelerator::prepare::{self, Prepare};
 pub use ivme_macros::accelerate;
-pub use observe::{logging, memory, metrics, progress, step_times, tracking};
+pub use observe::{logging, memory, metrics, profile, progress, step_times, tracking};
 pub use precision::{autocast, scaler};
 pub use setup::{config, env, preempt, state};
 

@@ -4,8 +4,8 @@
 use crate::errors::Errors;
 use crate::spelling::closest;
 use crate::values::{
-    boolean, buffer_mode, grad_accum, positive_float, precision, project_dir, seconds, seed,
-    snapshot_every, total_limit, zero_stage, PRECISIONS,
+    boolean, buffer_mode, flops_per_sample, grad_accum, positive_float, precision, profile_dir,
+    project_dir, seconds, seed, snapshot_every, total_limit, zero_stage, PRECISIONS,
 };
 use proc_macro2::{Literal, Span, TokenStream};
 use quote::{quote, quote_spanned};
@@ -30,6 +30,8 @@ pub const KEYS: &[&str] = &[
     "snapshot_every",
     "zero",
     "buffers",
+    "profile",
+    "flops_per_sample",
 ];
 
 /// Names users bring from other training libraries, mapped to ours.
@@ -40,6 +42,7 @@ pub const ALIASES: &[(&str, &str)] = &[
     ("zero_stage", "zero"),
     ("sharding", "zero"),
     ("broadcast_buffers", "buffers"),
+    ("profile_dir", "profile"),
 ];
 
 /// The `ivme::Precision` variant of each of [`PRECISIONS`], in the same order.
@@ -69,6 +72,8 @@ pub(crate) struct Config {
     pub snapshot_every: Option<Setting<u64>>,
     pub zero: Option<Setting<u8>>,
     pub buffers: Option<Setting<&'static str>>,
+    pub profile: Option<Setting<String>>,
+    pub flops_per_sample: Option<Setting<f64>>,
     /// The key names as written, for errors about the attribute as a whole.
     pub keys: Vec<syn::Path>,
 }
@@ -161,6 +166,14 @@ impl Config {
             );
             calls.extend(quote_spanned!(s.span=> .buffers(::ivme::BufferSync::#variant)));
         }
+        if let Some(s) = &self.profile {
+            let v = syn::LitStr::new(&s.value, s.span);
+            calls.extend(quote_spanned!(s.span=> .profile(#v)));
+        }
+        if let Some(s) = &self.flops_per_sample {
+            let v = spanned_lit(Literal::f64_unsuffixed(s.value), s.span);
+            calls.extend(quote_spanned!(s.span=> .flops_per_sample(#v)));
+        }
         calls
     }
 }
@@ -252,6 +265,10 @@ pub(crate) fn parse(attr: TokenStream) -> Result<Config, syn::Error> {
             }
             "zero" => zero_stage(value).map(|v| config.zero = setting(v, span)),
             "buffers" => buffer_mode(value).map(|v| config.buffers = setting(v, span)),
+            "profile" => profile_dir(value).map(|v| config.profile = setting(v, span)),
+            "flops_per_sample" => {
+                flops_per_sample(value).map(|v| config.flops_per_sample = setting(v, span))
+            }
             _ => seed(value).map(|v| config.seed = setting(v, span)),
         };
         if let Err(e) = result {
@@ -301,6 +318,8 @@ fn missing_value(path: &syn::Path) -> syn::Error {
         "snapshot_every" => "snapshot_every = 10",
         "zero" => "zero = 2",
         "buffers" => "buffers = \"average\"",
+        "profile" => "profile = \"runs/profile\"",
+        "flops_per_sample" => "flops_per_sample = 6e9",
         _ => return unknown_key(path, &key),
     };
     syn::Error::new_spanned(path, format!("`{key}` needs a value, e.g. `{example}`"))
@@ -393,6 +412,26 @@ mod tests {
                 "`debug_sync` takes `true` or `false`"
             ]
         );
+    }
+
+    #[test]
+    fn profile_and_flops_become_their_builder_calls_and_bad_values_are_refused() {
+        let c = parse(quote!(profile = "runs/p", flops_per_sample = 6e9)).unwrap();
+        let calls = c.builder_calls().to_string();
+        assert!(calls.contains(". profile (\"runs/p\")"), "{calls}");
+        assert!(calls.contains(". flops_per_sample (6000000000"), "{calls}");
+        let errs = errors_of(quote!(profile = 3, flops_per_sample = -1.0));
+        assert_eq!(errs.len(), 2, "{errs:?}");
+        assert!(
+            errs[0].contains("`profile` takes a non-empty string"),
+            "{errs:?}"
+        );
+        assert!(
+            errs[1].contains("`flops_per_sample` must be a positive"),
+            "{errs:?}"
+        );
+        let errs = errors_of(quote!(profile_dir = "p"));
+        assert!(errs[0].contains("did you mean `profile`?"), "{errs:?}");
     }
 
     #[test]

@@ -187,6 +187,41 @@ pub(crate) fn project_dir(value: &Expr) -> syn::Result<String> {
     }
 }
 
+/// `profile = "DIR"`: the folder a profile of the run goes to.
+pub(crate) fn profile_dir(value: &Expr) -> syn::Result<String> {
+    match literal(value) {
+        Some((Lit::Str(s), false)) if !s.value().trim().is_empty() => Ok(s.value()),
+        _ => Err(syn::Error::new_spanned(
+            value,
+            "`profile` takes a non-empty string, the folder each rank's trace and the summary \
+             go to, e.g. `profile = \"runs/profile\"`",
+        )),
+    }
+}
+
+/// `flops_per_sample = F`: the model's FLOPs per sample, for a profile's FLOP rate.
+pub(crate) fn flops_per_sample(value: &Expr) -> syn::Result<f64> {
+    let parsed = match literal(value) {
+        Some((Lit::Float(f), neg)) => f
+            .base10_parse::<f64>()
+            .ok()
+            .map(|v| if neg { -v } else { v }),
+        Some((Lit::Int(i), neg)) => i
+            .base10_parse::<f64>()
+            .ok()
+            .map(|v| if neg { -v } else { v }),
+        _ => None,
+    };
+    match parsed {
+        Some(v) if v.is_finite() && v > 0.0 => Ok(v),
+        _ => Err(syn::Error::new_spanned(
+            value,
+            "`flops_per_sample` must be a positive number, the model's FLOPs per sample \
+             (forward and backward), e.g. `flops_per_sample = 6e9`",
+        )),
+    }
+}
+
 /// `zero = 0 | 1 | 2`: the ZeRO stage (0 none, 1 optimizer state, 2 also gradients).
 pub(crate) fn zero_stage(value: &Expr) -> syn::Result<u8> {
     let msg = "`zero` is the ZeRO sharding stage: 0 (none), 1 (masters and optimizer state \

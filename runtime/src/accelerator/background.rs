@@ -104,6 +104,15 @@ impl Accelerator {
 /// is committed before the Accelerator goes, unless the program is panicking.
 impl Drop for Accelerator {
     fn drop(&mut self) {
+        self.commit_at_drop();
+        // After the commit, so that its stall is in the profile too.
+        self.write_profile_at_drop();
+    }
+}
+
+impl Accelerator {
+    /// Commits (or, panicking, gives up) a background save still pending at drop.
+    fn commit_at_drop(&mut self) {
         let Some(target) = self.pending_checkpoint().map(Path::to_path_buf) else {
             return;
         };

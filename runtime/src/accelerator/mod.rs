@@ -31,6 +31,7 @@ mod models;
 mod newest;
 mod preempt;
 pub mod prepare;
+mod profile;
 mod reshard;
 mod restore;
 mod snapshots;
@@ -68,6 +69,8 @@ pub struct Accelerator {
     pub(crate) preempt: crate::setup::preempt::Preemption,
     /// Print the step-time report every this many optimizer steps (`IVME_STEP_TIMES`).
     pub(crate) step_times_every: Option<u64>,
+    /// The run's profile, when profiling (profile.rs).
+    pub(crate) profiling: Option<profile::Profiling>,
 }
 
 impl std::fmt::Debug for Accelerator {

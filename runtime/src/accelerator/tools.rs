@@ -170,6 +170,7 @@ impl Accelerator {
     ) -> Result<()> {
         let values: BTreeMap<String, f64> =
             values.into_iter().map(|(k, v)| (k.into(), v)).collect();
+        self.profile_log(&values, step)?;
         self.with_active(|slot| match slot {
             Some(trackers) => trackers.log(&values, step),
             None => Err(Error::Usage(
@@ -179,14 +180,17 @@ impl Accelerator {
     }
 
     /// Finishes every tracker (flushing and closing files), then waits for every process so
-    /// none exits while the main one is still writing.
+    /// none exits while the main one is still writing. When profiling, every process first
+    /// writes its profile and the main one prints the summary and logs it to the trackers
+    /// ([`profile`](crate::profile)).
     pub fn end_training(&self) -> Result<()> {
+        let profiled = self.finish_profile();
         let finished = self.with_active(|slot| match slot.take() {
             Some(mut trackers) => trackers.finish(),
             None => Ok(()),
         });
         // Wait even after a failure, so the other ranks are not left at the barrier.
         let waited = self.wait_for_everyone();
-        finished.and(waited)
+        profiled.and(finished).and(waited)
     }
 }

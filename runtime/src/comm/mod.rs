@@ -190,6 +190,8 @@ pub struct Counted {
     inner: Box<dyn Communicator>,
     count: std::sync::atomic::AtomicU64,
     bytes: std::sync::atomic::AtomicU64,
+    /// The profile's recorder, when profiling: each collective becomes a span.
+    trace: Option<std::sync::Arc<crate::observe::profile::trace::Trace>>,
 }
 
 impl Counted {
@@ -199,7 +201,32 @@ impl Counted {
             inner,
             count: std::sync::atomic::AtomicU64::new(0),
             bytes: std::sync::atomic::AtomicU64::new(0),
+            trace: None,
         }
+    }
+
+    /// Records each collective as a span of `trace` (a profile) too.
+    pub(crate) fn recording_into(
+        mut self,
+        trace: std::sync::Arc<crate::observe::profile::trace::Trace>,
+    ) -> Self {
+        self.trace = Some(trace);
+        self
+    }
+
+    /// Runs one collective, recorded when profiling.
+    fn timed<T>(&self, run: impl FnOnce() -> T) -> T {
+        let Some(trace) = &self.trace else {
+            return run();
+        };
+        let start = std::time::Instant::now();
+        let out = run();
+        trace.record(
+            crate::observe::profile::SpanKind::Collective,
+            start,
+            std::time::Instant::now(),
+        );
+        out
     }
 
     /// Collectives run so far.
@@ -246,15 +273,15 @@ impl Communicator for Counted {
     }
     fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
         self.tick_bytes(tensor_bytes(t));
-        self.inner.all_reduce(t, op)
+        self.timed(|| self.inner.all_reduce(t, op))
     }
     fn all_reduce_checked(&self, t: &Tensor, op: ReduceOp, position: u64) -> Result<Tensor> {
         self.tick_bytes(tensor_bytes(t));
-        self.inner.all_reduce_checked(t, op, position)
+        self.timed(|| self.inner.all_reduce_checked(t, op, position))
     }
     fn all_reduce_sum_into(&self, send: &[f32], recv: &mut [f32], position: u64) -> Result<()> {
         self.tick_bytes(std::mem::size_of_val(send));
-        self.inner.all_reduce_sum_into(send, recv, position)
+        self.timed(|| self.inner.all_reduce_sum_into(send, recv, position))
     }
     fn reduce_scatter_sum_into(
         &self,
@@ -264,8 +291,10 @@ impl Communicator for Counted {
         position: u64,
     ) -> Result<()> {
         self.tick_bytes(std::mem::size_of_val(send));
-        self.inner
-            .reduce_scatter_sum_into(send, recv, counts, position)
+        self.timed(|| {
+            self.inner
+                .reduce_scatter_sum_into(send, recv, counts, position)
+        })
     }
     fn all_gather_into(
         &self,
@@ -275,23 +304,23 @@ impl Communicator for Counted {
         elem_bytes: usize,
     ) -> Result<()> {
         self.tick_bytes(send.len());
-        self.inner.all_gather_into(send, recv, counts, elem_bytes)
+        self.timed(|| self.inner.all_gather_into(send, recv, counts, elem_bytes))
     }
     fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
         self.tick_bytes(tensor_bytes(t));
-        self.inner.broadcast(t, root)
+        self.timed(|| self.inner.broadcast(t, root))
     }
     fn all_gather(&self, t: &Tensor) -> Result<Tensor> {
         self.tick_bytes(tensor_bytes(t));
-        self.inner.all_gather(t)
+        self.timed(|| self.inner.all_gather(t))
     }
     fn broadcast_bytes(&self, bytes: Vec<u8>, root: usize) -> Result<Vec<u8>> {
         self.tick_bytes(bytes.len());
-        self.inner.broadcast_bytes(bytes, root)
+        self.timed(|| self.inner.broadcast_bytes(bytes, root))
     }
     fn all_gather_bytes(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
         self.tick_bytes(bytes.len());
-        self.inner.all_gather_bytes(bytes)
+        self.timed(|| self.inner.all_gather_bytes(bytes))
     }
     fn agree_to_stop(&self) -> Result<bool> {
         self.inner.agree_to_stop()
@@ -299,7 +328,7 @@ impl Communicator for Counted {
 
     fn barrier(&self) -> Result<()> {
         self.tick();
-        self.inner.barrier()
+        self.timed(|| self.inner.barrier())
     }
     fn name(&self) -> &'static str {
         self.inner.name()

@@ -3,9 +3,11 @@
 //! the prepared optimizers' step, checkpoint stalls, and the rest (the forward pass and the
 //! loop's own code), per rank, and which rank holds the others up.
 
+use crate::observe::profile::trace::Trace;
+use crate::observe::profile::SpanKind;
 use serde::{Deserialize, Serialize};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 /// One rank's time, split by what it was spent on, over `steps` optimizer steps.
@@ -106,6 +108,8 @@ pub(crate) struct StepClock {
     checkpoint: AtomicU64,
     /// Checkpoint calls in progress (a save calls a wait inside it: only the outermost counts).
     saving: AtomicU64,
+    /// The profile's recorder, when profiling: every phase also becomes a span there.
+    trace: OnceLock<Arc<Trace>>,
 }
 
 /// Times a checkpoint call until dropped ([`StepClock::saving`]).
@@ -145,6 +149,19 @@ impl Default for StepClock {
             optimizer: AtomicU64::new(0),
             checkpoint: AtomicU64::new(0),
             saving: AtomicU64::new(0),
+            trace: OnceLock::new(),
+        }
+    }
+}
+
+impl Phase {
+    fn kind(self) -> SpanKind {
+        match self {
+            Phase::Data => SpanKind::Data,
+            Phase::Backward => SpanKind::Backward,
+            Phase::Sync => SpanKind::Sync,
+            Phase::Optimizer => SpanKind::Optimizer,
+            Phase::Checkpoint => SpanKind::Checkpoint,
         }
     }
 }
@@ -160,15 +177,30 @@ impl StepClock {
         }
     }
 
-    /// Adds `took` to `phase`.
+    /// Adds `took`, which ended now, to `phase`.
     pub(crate) fn add(&self, phase: Phase, took: Duration) {
         let nanos = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX);
         self.counter(phase).fetch_add(nanos, Ordering::Relaxed);
+        if let Some(trace) = self.trace.get() {
+            let now = Instant::now();
+            trace.record(phase.kind(), now.checked_sub(took).unwrap_or(now), now);
+        }
     }
 
     /// Adds the time since `start` to `phase`.
     pub(crate) fn since(&self, phase: Phase, start: Instant) {
-        self.add(phase, start.elapsed());
+        let now = Instant::now();
+        let nanos =
+            u64::try_from(now.saturating_duration_since(start).as_nanos()).unwrap_or(u64::MAX);
+        self.counter(phase).fetch_add(nanos, Ordering::Relaxed);
+        if let Some(trace) = self.trace.get() {
+            trace.record(phase.kind(), start, now);
+        }
+    }
+
+    /// Records every phase from now on as a span of `trace` too.
+    pub(crate) fn record_into(&self, trace: Arc<Trace>) {
+        let _ = self.trace.set(trace);
     }
 
     /// Times a checkpoint call until the guard is dropped; calls inside it add nothing more.

@@ -213,6 +213,27 @@ pub const STEP_TIMES: Var = Var {
     values: "a whole number of optimizer steps (0 or unset: never)",
     meaning: "print where each rank's step time goes (data, forward, backward, sync, optimizer, checkpoints) every N optimizer steps, at the loop's preemption point (`print_step_times`)",
 };
+/// Where a profile of the run goes.
+pub const PROFILE: Var = Var {
+    name: "IVME_PROFILE",
+    set_by: SetBy::User,
+    values: "a folder (unset: no profile)",
+    meaning: "record every rank's phases per step (data, backward, sync and its collectives, optimizer, checkpoint stalls) and write a Chrome trace and record per rank into the folder, with a summary at `end_training` (`--profile`, `.profile(dir)`; docs/profiling.md)",
+};
+/// The model's FLOPs per sample, for a profile's FLOP rate.
+pub const FLOPS_PER_SAMPLE: Var = Var {
+    name: "IVME_FLOPS_PER_SAMPLE",
+    set_by: SetBy::User,
+    values: "a positive number, e.g. 6e9",
+    meaning: "the model's FLOPs per sample (forward and backward): a profile's summary then gives the model FLOP/s (`.flops_per_sample(f)`)",
+};
+/// The device's peak FLOP/s, for a profile's model FLOP utilisation.
+pub const PEAK_FLOPS: Var = Var {
+    name: "IVME_PEAK_FLOPS",
+    set_by: SetBy::User,
+    values: "a positive number of FLOP/s per process, e.g. 989e12",
+    meaning: "each process's peak FLOP/s: with the FLOPs per sample, a profile's summary gives the model FLOP utilisation (`.peak_flops(f)`)",
+};
 
 /// Every variable of the contract, in the order docs/launch.md lists them.
 pub const VARS: &[Var] = &[
@@ -240,6 +261,9 @@ pub const VARS: &[Var] = &[
     SNAPSHOT_EVERY,
     SNAPSHOT_DIR,
     STEP_TIMES,
+    PROFILE,
+    FLOPS_PER_SAMPLE,
+    PEAK_FLOPS,
 ];
 
 /// The MPI launchers' variables a process reads its place from: rank, world size, local rank
