@@ -22,6 +22,9 @@
 //! 4 × 128 (31 M); L hidden 768, 12 layers, vocab 16384, batch 2 × 128 (103 M).
 //!
 //! `bench_llama one SYSTEM SIZE STEPS PRECISION` runs one measurement and prints ms per step.
+//!
+//! `bench_llama profile [rounds=5] [sizes=T,S]` measures what a profile costs: ivme's step with
+//! and without `IVME_PROFILE` (each in its own process, rounds alternating, f32, glibc tuned).
 
 #[path = "support/init.rs"]
 mod init;
@@ -270,6 +273,54 @@ fn precision_of(word: &str) -> ivme::Result<Precision> {
     }
 }
 
+/// ivme's step with a profile recorded against the same step without, rounds alternating.
+fn profile_cost(args: &[String]) -> ivme::Result<()> {
+    let rounds: usize = args
+        .first()
+        .and_then(|a| a.parse().ok())
+        .unwrap_or(5)
+        .max(1);
+    let sizes: Vec<&Size> = args
+        .get(1)
+        .map_or("T,S", String::as_str)
+        .split(',')
+        .map(size)
+        .collect::<ivme::Result<_>>()?;
+    let dir = std::env::temp_dir().join(format!("ivme-bench-profile-{}", std::process::id()));
+    let dir_text = dir.display().to_string();
+    let tuned = [
+        ("MALLOC_MMAP_THRESHOLD_", "33554432"),
+        ("MALLOC_TRIM_THRESHOLD_", "17179869184"),
+    ];
+    let profiled = [tuned[0], tuned[1], ("IVME_PROFILE", dir_text.as_str())];
+    println!("what a profile costs: ivme's llama step, f32, 1 process, {rounds} rounds (medians)");
+    println!("| size | ivme ms/step | ivme with a profile ms/step | ratio |");
+    println!("|---|---|---|---|");
+    for s in sizes {
+        let (mut off, mut on) = (Vec::new(), Vec::new());
+        for round in 0..rounds {
+            let order = if round % 2 == 0 {
+                [false, true]
+            } else {
+                [true, false]
+            };
+            for profile in order {
+                let envs: &[(&str, &str)] = if profile { &profiled } else { &tuned };
+                let ms = rounds::in_own_process(&["one", "ivme", s.name, "f32"], envs)?;
+                if profile {
+                    on.push(ms)
+                } else {
+                    off.push(ms)
+                }
+            }
+        }
+        let (off, on) = (median(off), median(on));
+        println!("| {} | {off:.2} | {on:.2} | {:.3} |", s.name, on / off);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
+
 fn main() -> ivme::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     if args.first().map(String::as_str) == Some("one") {
@@ -281,6 +332,9 @@ fn main() -> ivme::Result<()> {
         };
         println!("{ms}");
         return Ok(());
+    }
+    if args.first().map(String::as_str) == Some("profile") {
+        return profile_cost(&args[1..]);
     }
     let rounds: usize = args
         .first()

@@ -12,7 +12,8 @@
 //! Arguments (all optional): `project=DIR` (checkpoints, default `llama_tiny_run`), `epochs=N`
 //! (30), `stop_after=K` (return after the K-th optimizer step of this run, as a crash would),
 //! `out=DIR` (each process writes its final weights to `DIR/rank{R}.safetensors`), `precision=`
-//! `no|bf16|fp16` (bf16).
+//! `no|bf16|fp16` (bf16). Under `ivme launch --profile DIR` the run's phases per step go to DIR
+//! with the losses of each epoch; `ivme profile DIR` draws them.
 //!
 //! candle-transformers' `Llama::forward` returns the logits of the last position only, so each
 //! sample is a 32-byte window and its target the byte after it.
@@ -103,12 +104,17 @@ fn fit(
             let logits = model.forward(&x.to_device(&device)?, 0, &mut cache)?;
             eval_total += loss_of(&logits, y)?.to_scalar::<f32>()?;
         }
+        let (train_loss, eval_loss) = (total / seen as f32, eval_total / eval.len().max(1) as f32);
         acc.print(format!(
-            "epoch {epoch}: train loss {:.3} (this process), eval loss {:.3}, lr {:.2e}",
-            total / seen as f32,
-            eval_total / eval.len().max(1) as f32,
+            "epoch {epoch}: train loss {train_loss:.3} (this process), eval loss {eval_loss:.3}, \
+             lr {:.2e}",
             schedule.lr()
         ));
+        // The curves `ivme profile` draws under a profile (`--profile DIR`).
+        acc.log(
+            [("loss", train_loss as f64), ("eval_loss", eval_loss as f64)],
+            steps as u64,
+        )?;
     }
     if steps > 0 {
         acc.print(format!(
@@ -137,6 +143,8 @@ fn main() -> ivme::Result<()> {
     let epochs = get("epochs").and_then(|v| v.parse().ok()).unwrap_or(30);
     let stop_after = get("stop_after").and_then(|v| v.parse().ok());
     let (train, eval) = batches(&text())?;
+    let config = serde_json::json!({ "epochs": epochs, "precision": precision.to_string() });
+    acc.init_trackers("llama_tiny", &config, Vec::new())?;
     acc.print(format!(
         "{} training batches of {} windows on {} process(es), {precision}",
         train.len(),
@@ -150,5 +158,6 @@ fn main() -> ivme::Result<()> {
         acc.wait_for_checkpoint()?;
         varmap.save(out.join(format!("rank{}.safetensors", acc.process_index())))?;
     }
-    Ok(())
+    // With a profile, this also prints its summary.
+    acc.end_training()
 }
