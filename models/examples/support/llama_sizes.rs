@@ -1,0 +1,140 @@
+//! The llama benchmarks' model sizes, their configs, seeded data and the step's loss, shared by
+//! `bench_llama` (one process) and `bench_llama_ddp` (two).
+
+use candle_core::{DType, Device, Tensor};
+use candle_nn::{VarBuilder, VarMap};
+use candle_transformers::models::llama;
+use ivme::rng::Rng;
+
+pub const LR: f64 = 3e-4;
+
+/// A model size: its config, its micro-batch (samples × tokens), and how many steps to time.
+pub struct Size {
+    pub name: &'static str,
+    pub hidden: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub mlp: usize,
+    pub vocab: usize,
+    pub batch: usize,
+    pub tokens: usize,
+    pub steps: usize,
+}
+
+pub const SIZES: [Size; 4] = [
+    Size {
+        name: "T",
+        hidden: 64,
+        layers: 2,
+        heads: 4,
+        kv_heads: 2,
+        mlp: 128,
+        vocab: 256,
+        batch: 16,
+        tokens: 32,
+        steps: 30,
+    },
+    Size {
+        name: "S",
+        hidden: 256,
+        layers: 4,
+        heads: 8,
+        kv_heads: 4,
+        mlp: 688,
+        vocab: 4096,
+        batch: 8,
+        tokens: 64,
+        steps: 8,
+    },
+    Size {
+        name: "M",
+        hidden: 512,
+        layers: 6,
+        heads: 8,
+        kv_heads: 4,
+        mlp: 1376,
+        vocab: 8192,
+        batch: 4,
+        tokens: 128,
+        steps: 4,
+    },
+    Size {
+        name: "L",
+        hidden: 768,
+        layers: 12,
+        heads: 12,
+        kv_heads: 4,
+        mlp: 2048,
+        vocab: 16384,
+        batch: 2,
+        tokens: 128,
+        steps: 2,
+    },
+];
+
+pub fn config(s: &Size) -> llama::Config {
+    llama::LlamaConfig {
+        hidden_size: s.hidden,
+        intermediate_size: s.mlp,
+        vocab_size: s.vocab,
+        num_hidden_layers: s.layers,
+        num_attention_heads: s.heads,
+        num_key_value_heads: Some(s.kv_heads),
+        rms_norm_eps: 1e-5,
+        rope_theta: 10_000.0,
+        bos_token_id: None,
+        eos_token_id: None,
+        rope_scaling: None,
+        max_position_embeddings: s.tokens,
+        tie_word_embeddings: Some(false),
+    }
+    .into_config(false)
+}
+
+pub type Batch = (Tensor, Tensor);
+
+/// Two micro-batches of seeded random tokens and their targets.
+pub fn data(s: &Size) -> candle_core::Result<Vec<Batch>> {
+    let mut rng = Rng::new(7);
+    let mut token = || (rng.next_u64() % s.vocab as u64) as u32;
+    (0..2)
+        .map(|_| {
+            let x: Vec<u32> = (0..s.batch * s.tokens).map(|_| token()).collect();
+            let y: Vec<u32> = (0..s.batch).map(|_| token()).collect();
+            Ok((
+                Tensor::from_vec(x, (s.batch, s.tokens), &Device::Cpu)?,
+                Tensor::from_vec(y, s.batch, &Device::Cpu)?,
+            ))
+        })
+        .collect()
+}
+
+pub fn model(
+    s: &Size,
+    varmap: &VarMap,
+    dtype: DType,
+) -> candle_core::Result<(llama::Llama, llama::Cache)> {
+    let cfg = config(s);
+    let vb = VarBuilder::from_varmap(varmap, dtype, &Device::Cpu);
+    let cache = llama::Cache::new(false, dtype, &cfg, &Device::Cpu)?;
+    let model = llama::Llama::load(vb, &cfg)?;
+    super::init::reinit(varmap, 17, 0.02)?;
+    Ok((model, cache))
+}
+
+pub fn loss_of(logits: &Tensor, targets: &Tensor) -> candle_core::Result<Tensor> {
+    candle_nn::loss::cross_entropy(&logits.to_dtype(DType::F32)?, targets)
+}
+
+pub fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+pub fn size(name: &str) -> ivme::Result<&'static Size> {
+    SIZES
+        .iter()
+        .find(|s| s.name == name)
+        .ok_or_else(|| ivme::Error::Usage(format!("unknown size `{name}`: use T, S, M or L")))
+}
