@@ -51,6 +51,7 @@ impl Accelerator {
         let scale = self.mixed.loss_scale();
         // Each micro-batch counts 1/window of its window's mean; the scale is undone after sync.
         let store = self.scaled_backward(loss, scale / window as f64)?;
+        self.warn_unreached(&store);
         if sync && self.passes_through() {
             clock.since(Phase::Backward, start);
             let start = Instant::now();

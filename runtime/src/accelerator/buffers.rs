@@ -57,6 +57,39 @@ impl Accelerator {
             .collect()
     }
 
+    /// Warns once (main process) about trained variables the first backward passes never
+    /// reached: their optimizer never changes them, which no error would show.
+    pub(crate) fn warn_unreached(&mut self, store: &candle_core::backprop::GradStore) {
+        let main = self.is_main_process();
+        let Some(u) = self.training.note_reach(store) else {
+            return;
+        };
+        if !main {
+            return;
+        }
+        let elems: usize = u.names.iter().map(|(_, n)| n).sum();
+        let shown: Vec<&str> = u.names.iter().take(4).map(|(n, _)| n.as_str()).collect();
+        let more = match u.names.len().saturating_sub(shown.len()) {
+            0 => String::new(),
+            n => format!(" and {n} more"),
+        };
+        warn_user!(
+            "{} of {} trained variables ({:.2} M of {:.2} M parameters) got no gradient in the \
+             first {} backward passes: {}{more}. The loss does not reach them, so their optimizer \
+             never changes them. An op without a backward pass cuts the graph: candle-nn's fused \
+             ops::rms_norm, ops::softmax_last_dim and ops::layer_norm (the fast paths \
+             candle-transformers' models take) compute no gradient; use differentiable forms \
+             (e.g. RmsNorm::forward_diff, ops::softmax) or leave these variables out of the \
+             optimizer to freeze them on purpose",
+            u.names.len(),
+            u.trained,
+            elems as f64 / 1e6,
+            u.trained_elems as f64 / 1e6,
+            crate::train::reach::WATCHED,
+            shown.join(", "),
+        );
+    }
+
     /// Says once, when some prepared variables are frozen, how much of the model trains:
     /// "training 0.05 M of 4.3 M parameters (1.2 %)". Called at the first backward.
     pub(crate) fn report_frozen_once(&mut self) {
@@ -131,6 +164,63 @@ impl Accelerator {
             }
             m.sync_buffers(&self.comm, mode)?;
         }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::optim::{AdamW, ParamsAdamW};
+    use crate::train::reach::WATCHED;
+    use crate::Accelerator;
+    use candle_core::{DType, Device, Tensor};
+    use candle_nn::{Init, Optimizer, VarMap};
+
+    /// The unreached variables (name, elements), trained variables and their elements.
+    type Verdict = Option<(Vec<(String, usize)>, usize, usize)>;
+
+    /// Trains `w * f(x, a)` for WATCHED backward passes; returns what went unreached.
+    fn unreached_after_training(fused: bool) -> crate::Result<Verdict> {
+        let mut acc = Accelerator::builder().cpu(true).build()?;
+        let varmap = VarMap::new();
+        let a = varmap.get(3, "norm.alpha", Init::Const(1.0), DType::F32, &Device::Cpu)?;
+        let w = varmap.get(3, "w", Init::Const(0.5), DType::F32, &Device::Cpu)?;
+        let x = Tensor::new(&[[1f32, 2., 3.]], &Device::Cpu)?;
+        let loss_of = |a: &Tensor, w: &Tensor| -> candle_core::Result<Tensor> {
+            let h = if fused {
+                candle_nn::ops::rms_norm(&x, a, 1e-5)?
+            } else {
+                x.broadcast_mul(a)?
+            };
+            h.broadcast_mul(w)?.sum_all()
+        };
+        // The premise, in plain candle: the fused norm passes its weight no gradient.
+        let plain = loss_of(&a, &w)?.backward()?;
+        assert_eq!(plain.get(&a).is_none(), fused);
+        assert!(plain.get(&w).is_some());
+        let opt = AdamW::new(varmap.all_vars(), ParamsAdamW::default())?;
+        let (_varmap, mut opt) = acc.prepare((varmap, opt))?;
+        for i in 0..WATCHED {
+            assert!(
+                acc.training.unreached().is_none(),
+                "no verdict before pass {i}"
+            );
+            let grads = acc.backward(&loss_of(&a, &w)?)?;
+            opt.step(&grads)?;
+        }
+        Ok(acc
+            .training
+            .unreached()
+            .map(|u| (u.names.clone(), u.trained, u.trained_elems)))
+    }
+
+    #[test]
+    fn a_trained_variable_behind_an_op_without_backward_is_found_unreached() -> crate::Result<()> {
+        assert_eq!(
+            unreached_after_training(true)?,
+            Some((vec![("norm.alpha".to_string(), 3)], 2, 6))
+        );
+        assert_eq!(unreached_after_training(false)?, None);
         Ok(())
     }
 }

@@ -272,9 +272,16 @@ mod tests {
             .build()
             .unwrap_err()
             .to_string();
-        assert!(err.contains("flops_per_sample") && err.contains("-2"), "{err}");
+        assert!(
+            err.contains("flops_per_sample") && err.contains("-2"),
+            "{err}"
+        );
         // Without a profile there is nothing to refuse: the figure is unused.
-        assert!(Accelerator::builder().cpu(true).flops_per_sample(-2.0).build().is_ok());
+        assert!(Accelerator::builder()
+            .cpu(true)
+            .flops_per_sample(-2.0)
+            .build()
+            .is_ok());
     }
 
     #[test]

@@ -170,13 +170,14 @@ impl Accelerator {
     ) -> Result<()> {
         let values: BTreeMap<String, f64> =
             values.into_iter().map(|(k, v)| (k.into(), v)).collect();
-        self.profile_log(&values, step)?;
         self.with_active(|slot| match slot {
             Some(trackers) => trackers.log(&values, step),
             None => Err(Error::Usage(
                 "log needs trackers: call init_trackers(project, config, trackers) first".into(),
             )),
-        })
+        })?;
+        // Kept for `ivme profile`'s curve when profiling.
+        self.profile_log(&values, step)
     }
 
     /// Finishes every tracker (flushing and closing files), then waits for every process so

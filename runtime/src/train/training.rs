@@ -4,6 +4,8 @@
 
 use crate::optim::accelerated::PreparedSlot;
 use crate::train::grads::{GradientState, ParamSet};
+use crate::train::reach::{Reach, Unreached};
+use candle_core::backprop::GradStore;
 use candle_core::{TensorId, Var};
 use std::sync::Arc;
 
@@ -16,6 +18,10 @@ pub(crate) struct Training {
     pending_buffers: Vec<TensorId>,
     /// Whether what trains has been reported (at the first backward).
     reported: bool,
+    /// Which trained variables the first backward passes reached (reach.rs).
+    reach: Reach,
+    /// The trained variables they did not, once known.
+    unreached: Option<Unreached>,
 }
 
 impl Training {
@@ -27,7 +33,23 @@ impl Training {
             window: Arc::new(GradientState::new(grad_accum)),
             pending_buffers: Vec::new(),
             reported: false,
+            reach: Reach::default(),
+            unreached: None,
         }
+    }
+
+    /// Notes which variables a backward pass reached; returns, once, the trained variables
+    /// the first watched passes never reached (reach.rs).
+    pub(crate) fn note_reach(&mut self, store: &GradStore) -> Option<&Unreached> {
+        let found = self.reach.note(&self.models, store)?;
+        self.unreached = Some(found);
+        self.unreached.as_ref()
+    }
+
+    /// The trained variables the first backward passes did not reach, once known.
+    #[cfg(test)]
+    pub(crate) fn unreached(&self) -> Option<&Unreached> {
+        self.unreached.as_ref()
     }
 
     /// True the first time it is asked, false after.
