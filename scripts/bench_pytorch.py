@@ -8,11 +8,15 @@ logits_to_keep=1), global-norm clipping at 1.0, torch.optim.AdamW (lr 3e-4); one
 then the timed steps. Every (system, size) measurement runs in a process (or torchrun job) of
 its own; rounds alternate the order; medians.
 
+With --head-only the model's body runs under torch.no_grad() and only the output head gets a
+gradient: the work candle does for the same step, since candle-nn's fused rms_norm and softmax
+(which candle-transformers' Llama uses) have no backward pass and the loss reaches lm_head only.
+
 Never part of CI and never a dependency of the crates: it runs only where
 `python3 -c "import torch, transformers, accelerate"` works (scripts/bench-pytorch.sh makes a
 virtual environment for it).
 
-    python3 scripts/bench_pytorch.py [--rounds 3] [--sizes T,S,M] [--processes 1|2]
+    python3 scripts/bench_pytorch.py [--rounds 3] [--sizes T,S,M] [--processes 1|2] [--head-only]
 """
 
 import argparse
@@ -32,7 +36,7 @@ SIZES = {
 LR = 3e-4
 
 
-def one(system, size):
+def one(system, size, head_only=False):
     """One measurement; prints ms per step (rank 0 only under torchrun)."""
     import torch
     import torch.distributed as dist
@@ -66,7 +70,13 @@ def one(system, size):
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
 
     def loss_of(m, x, y):
-        logits = m(input_ids=x, logits_to_keep=1).logits[:, -1, :]
+        if head_only:
+            inner = m.module if hasattr(m, "module") else m
+            with torch.no_grad():
+                h = inner.model(input_ids=x).last_hidden_state[:, -1, :]
+            logits = inner.lm_head(h)
+        else:
+            logits = m(input_ids=x, logits_to_keep=1).logits[:, -1, :]
         return torch.nn.functional.cross_entropy(logits.float(), y)
 
     if system == "accelerate":
@@ -127,7 +137,7 @@ class _Nothing:
         return False
 
 
-def job(system, size, processes):
+def job(system, size, processes, head_only):
     """One measurement in a process (or torchrun job) of its own: rank 0's ms per step."""
     me = os.path.abspath(__file__)
     if processes == 1:
@@ -137,6 +147,8 @@ def job(system, size, processes):
             sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
             "--master_port", "29533", me, "one", system, size,
         ]
+    if head_only:
+        cmd.append("head")
     env = dict(os.environ, OMP_NUM_THREADS="2" if processes == 1 else "1")
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     for line in out.stdout.splitlines():
@@ -149,12 +161,13 @@ def job(system, size, processes):
 
 def main():
     if len(sys.argv) > 1 and sys.argv[1] == "one":
-        one(sys.argv[2], sys.argv[3])
+        one(sys.argv[2], sys.argv[3], len(sys.argv) > 4 and sys.argv[4] == "head")
         return
     p = argparse.ArgumentParser()
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--sizes", default="T,S,M")
     p.add_argument("--processes", type=int, default=1)
+    p.add_argument("--head-only", action="store_true")
     a = p.parse_args()
     import accelerate
     import torch
@@ -164,6 +177,7 @@ def main():
         f"PyTorch {torch.__version__}, transformers {transformers.__version__}, Accelerate "
         f"{accelerate.__version__}; llama step on {a.processes} process(es), {a.rounds} rounds "
         "(medians), each system in a process or job of its own"
+        + ("; only the head trained (the body under no_grad)" if a.head_only else "")
     )
     print("| size | PyTorch ms/step | PyTorch + Accelerate ms/step |")
     print("|---|---|---|")
@@ -172,7 +186,7 @@ def main():
         for r in range(a.rounds):
             order = ["torch", "accelerate"] if r % 2 == 0 else ["accelerate", "torch"]
             for system in order:
-                times[system].append(job(system, size, a.processes))
+                times[system].append(job(system, size, a.processes, a.head_only))
         t, acc = statistics.median(times["torch"]), statistics.median(times["accelerate"])
         print(f"| {size} | {t:.1f} | {acc:.1f} |")
 

@@ -89,7 +89,7 @@ else
 fi
 
 log="$OUT/bench.log"
-if timeout 150 "$BIN/bench_overhead" 3 >"$log" 2>&1; then
+if timeout 300 "$BIN/bench_overhead" 3 plain,f32,bf16 >"$log" 2>&1; then
   row "overhead bench, 1 GPU" "ok" "its lines below"
 else
   row "overhead bench, 1 GPU" "FAIL" "$(why "$log")"

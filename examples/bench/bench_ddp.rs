@@ -1,18 +1,24 @@
 //! Data-parallel training through ivme against the loop a competent Rust user writes by hand
-//! with candle and MPI, in one job.
+//! with candle and MPI, each system in a job of its own.
 //!
 //! ```text
 //! cargo build --release --workspace --bins --examples
-//! target/release/ivme launch --num_processes 2 target/release/examples/bench_ddp [rounds] [tiny|wide]
+//! target/release/examples/bench_ddp [rounds=9] [tiny|wide] [processes=2] [jobs=3]
 //! ```
+//!
+//! It starts `jobs` jobs of each system (`ivme launch --num_processes N --cpu` of itself with
+//! `one SYSTEM ROUNDS CASE`), alternating which system goes first. Each job runs one warm-up
+//! round and `rounds` timed ones and rank 0 prints their median; the table gives the median over
+//! the jobs and the median of the paired ratios. Under a launcher of your own (another machine
+//! layout, a hostfile), run the jobs yourself: `ivme launch ... bench_ddp one hand 5 wide` and
+//! `... one ivme 5 wide`.
 //!
 //! The hand-written loop: candle's forward and backward, every gradient copied to one host
 //! buffer (variables in name order), one blocking `MPI_Allreduce` into a second buffer kept
 //! across steps, the mean rebuilt as tensors, candle-nn's AdamW. The ivme loop: the same model
-//! and batches through a prepared AdamW and `Accelerator::backward`. Rounds alternate the two
-//! (which goes first alternates too) and every round starts at a barrier. Reported per model:
-//! min and median µs per step of each, the median of the per-round ratios, and what each step
-//! allocates (counted by a global allocator).
+//! and batches through a prepared AdamW and `Accelerator::backward`. Every round starts at a
+//! barrier. Reported per model: median µs per step of each, the median of the paired ratios,
+//! and what each step allocates (counted by a global allocator).
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Module, Tensor, Var};
@@ -183,24 +189,83 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-fn min(v: &[f64]) -> f64 {
-    v.iter().copied().fold(f64::INFINITY, f64::min)
-}
-
-fn main() -> ivme::Result<()> {
-    let rounds: usize = std::env::args()
-        .nth(1)
-        .and_then(|a| a.parse().ok())
-        .unwrap_or(9);
+/// Runs one system's rounds in this job; rank 0 prints `µs/step allocs large bytes`.
+fn one(system: &str, rounds: usize, case: &Case) -> ivme::Result<()> {
     let mut acc = Accelerator::new()?;
     let world = SimpleCommunicator::world();
-    let (rank, size) = (acc.process_index(), acc.num_processes());
+    let data = batches(case, acc.process_index(), acc.num_processes())?;
+    let mut times = Vec::new();
+    let mut alloc = Counts::default();
+    if system == "hand" {
+        let mut hand = Hand::new(case)?;
+        hand.round(&world, &data)?; // warm-up
+        for _ in 0..rounds {
+            let (t, c) = hand.round(&world, &data)?;
+            times.push(t);
+            alloc = c;
+        }
+    } else {
+        let mut ours = Ours::new(&mut acc, case)?;
+        ours.round(&mut acc, &data)?; // warm-up
+        for _ in 0..rounds {
+            let (t, c) = ours.round(&mut acc, &data)?;
+            times.push(t);
+            alloc = c;
+        }
+    }
     acc.print(format!(
-        "ivme vs hand-written candle + MPI data parallelism, {size} process(es), \
-         RAYON_NUM_THREADS={}, {rounds} alternating rounds",
-        std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| "unset".into())
+        "{} {} {} {}",
+        median(times) * 1e6,
+        alloc.allocs,
+        alloc.large,
+        alloc.bytes
     ));
-    let cases = [
+    Ok(())
+}
+
+/// One job of `system`: rank 0's µs per step and allocations per step.
+fn job(system: &str, rounds: usize, case: &str, processes: usize) -> ivme::Result<(f64, Counts)> {
+    let exe = std::env::current_exe().map_err(|e| ivme::Error::io("finding this program", e))?;
+    let ivme = exe
+        .parent()
+        .and_then(|p| p.parent())
+        .map(|p| p.join("ivme"))
+        .ok_or_else(|| ivme::Error::Usage("no ivme beside the examples".into()))?;
+    let out = std::process::Command::new(&ivme)
+        .args(["launch", "--num_processes", &processes.to_string(), "--cpu"])
+        .arg(&exe)
+        .args(["one", system, &rounds.to_string(), case])
+        .output()
+        .map_err(|e| ivme::Error::io(format!("starting {}", ivme.display()), e))?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let numbers: Option<Vec<f64>> = text
+        .lines()
+        .rev()
+        .map(|l| {
+            l.split_whitespace()
+                .map(|w| w.parse::<f64>().ok())
+                .collect::<Option<Vec<f64>>>()
+        })
+        .find(|v| v.as_ref().is_some_and(|v| v.len() == 4))
+        .flatten();
+    match numbers {
+        Some(v) => Ok((
+            v[0],
+            Counts {
+                allocs: v[1] as u64,
+                large: v[2] as u64,
+                bytes: v[3] as u64,
+            },
+        )),
+        None => Err(ivme::Error::Usage(format!(
+            "a {system} job printed `{text}`: {}",
+            String::from_utf8_lossy(&out.stderr)
+        ))),
+    }
+}
+
+fn cases() -> [Case; 2] {
+    [
         Case {
             name: "tiny 32-32-1, batch 16",
             dims: vec![32, 32, 1],
@@ -213,42 +278,66 @@ fn main() -> ivme::Result<()> {
             batch: 64,
             steps: 16,
         },
-    ];
-    // An optional second argument keeps only the cases whose name starts with it.
-    let only = std::env::args().nth(2).unwrap_or_default();
-    for case in cases.iter().filter(|c| c.name.starts_with(only.as_str())) {
-        let data = batches(case, rank, size)?;
-        let (mut hand_loop, mut our_loop) = (Hand::new(case)?, Ours::new(&mut acc, case)?);
-        // Warm-up: one round of each.
-        hand_loop.round(&world, &data)?;
-        our_loop.round(&mut acc, &data)?;
+    ]
+}
+
+fn main() -> ivme::Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let number = |i: usize, default: usize| {
+        args.get(i)
+            .and_then(|a| a.parse().ok())
+            .unwrap_or(default)
+            .max(1)
+    };
+    if args.first().map(String::as_str) == Some("one") {
+        let only = args.get(3).cloned().unwrap_or_default();
+        let case = cases()
+            .into_iter()
+            .find(|c| c.name.starts_with(only.as_str()))
+            .ok_or_else(|| ivme::Error::Usage(format!("no case `{only}`: use tiny or wide")))?;
+        return one(&args[1], number(2, 9), &case);
+    }
+    if std::env::var("OMPI_COMM_WORLD_SIZE").is_ok_and(|n| n != "1") {
+        return Err(ivme::Error::Usage(
+            "bench_ddp starts its own jobs: run it without a launcher, or run `bench_ddp one \
+             hand|ivme ROUNDS CASE` under yours"
+                .into(),
+        ));
+    }
+    let rounds = number(0, 9);
+    let only = args.get(1).cloned().unwrap_or_default();
+    let processes = number(2, 2);
+    let jobs = number(3, 3);
+    println!(
+        "ivme vs hand-written candle + MPI data parallelism, {processes} processes (ivme launch: \
+         RAYON_NUM_THREADS = cores / processes), {jobs} jobs of each system, {rounds} rounds each"
+    );
+    for case in cases().iter().filter(|c| c.name.starts_with(only.as_str())) {
+        let word = case.name.split_whitespace().next().unwrap_or("tiny");
         let (mut hand, mut ours, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
         let (mut hand_alloc, mut ours_alloc) = (Counts::default(), Counts::default());
-        for round in 0..rounds {
-            let (h, o) = if round % 2 == 0 {
-                let h = hand_loop.round(&world, &data)?;
-                (h, our_loop.round(&mut acc, &data)?)
+        for j in 0..jobs {
+            let (h, o) = if j % 2 == 0 {
+                let h = job("hand", rounds, word, processes)?;
+                (h, job("ivme", rounds, word, processes)?)
             } else {
-                let o = our_loop.round(&mut acc, &data)?;
-                (hand_loop.round(&world, &data)?, o)
+                let o = job("ivme", rounds, word, processes)?;
+                (job("hand", rounds, word, processes)?, o)
             };
             hand.push(h.0);
             ours.push(o.0);
             ratios.push(o.0 / h.0);
             (hand_alloc, ours_alloc) = (h.1, o.1);
         }
-        acc.print(format!(
-            "{}: hand-written min {:.1} / median {:.1} µs/step, ivme min {:.1} / median {:.1} \
-             µs/step, paired ratio median {:.3} (min-to-min {:.3})",
+        println!(
+            "{}: hand-written {:.1} µs/step, ivme {:.1} µs/step (medians of the jobs), paired \
+             ratio median {:.3}",
             case.name,
-            min(&hand) * 1e6,
-            median(hand.clone()) * 1e6,
-            min(&ours) * 1e6,
-            median(ours.clone()) * 1e6,
+            median(hand),
+            median(ours),
             median(ratios),
-            min(&ours) / min(&hand),
-        ));
-        acc.print(format!(
+        );
+        println!(
             "  allocated per step: hand-written {} blocks ({} large, {:.2} MB), ivme {} blocks \
              ({} large, {:.2} MB)",
             hand_alloc.allocs,
@@ -257,7 +346,7 @@ fn main() -> ivme::Result<()> {
             ours_alloc.allocs,
             ours_alloc.large,
             ours_alloc.bytes as f64 / 1e6,
-        ));
+        );
     }
     Ok(())
 }

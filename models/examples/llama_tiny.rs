@@ -16,7 +16,9 @@
 //! with the losses of each epoch; `ivme profile DIR` draws them.
 //!
 //! candle-transformers' `Llama::forward` returns the logits of the last position only, so each
-//! sample is a 32-byte window and its target the byte after it.
+//! sample is a 32-byte window and its target the byte after it. Its norms and attention softmax
+//! are candle-nn's fused ops, which have no backward pass: the loss reaches `lm_head` only, and
+//! ivme says so (naming the 20 variables it never reaches) at the 8th backward pass.
 
 #[path = "support/bytes_llama.rs"]
 mod bytes_llama;
