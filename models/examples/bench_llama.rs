@@ -26,6 +26,15 @@
 //! `bench_llama profile [rounds=5] [sizes=T,S]` measures what a profile costs: ivme's step with
 //! and without `IVME_PROFILE` (each in its own process, rounds alternating, f32, glibc tuned).
 
+// A user's own choice of allocator (`--features mimalloc` / `jemalloc`): the Accelerator's
+// `mallopt` tunes glibc only, so these run as they are.
+#[cfg(feature = "mimalloc")]
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+#[cfg(all(feature = "jemalloc", not(feature = "mimalloc")))]
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 #[path = "support/init.rs"]
 mod init;
 #[path = "support/llama_sizes.rs"]
