@@ -140,22 +140,22 @@ pub(crate) fn seconds(key: &str, value: &Expr) -> syn::Result<f64> {
     }
 }
 
+/// A numeric literal's value (a leading minus included); `None` for anything else.
+fn number(value: &Expr) -> Option<Option<f64>> {
+    let signed = |v: f64, neg: bool| if neg { -v } else { v };
+    match literal(value) {
+        Some((Lit::Float(f), neg)) => Some(f.base10_parse::<f64>().ok().map(|v| signed(v, neg))),
+        Some((Lit::Int(i), neg)) => Some(i.base10_parse::<f64>().ok().map(|v| signed(v, neg))),
+        _ => None,
+    }
+}
+
 pub(crate) fn positive_float(key: &str, value: &Expr) -> syn::Result<f64> {
-    let parsed: Option<f64> = match literal(value) {
-        Some((Lit::Float(f), neg)) => f
-            .base10_parse::<f64>()
-            .ok()
-            .map(|v| if neg { -v } else { v }),
-        Some((Lit::Int(i), neg)) => i
-            .base10_parse::<f64>()
-            .ok()
-            .map(|v| if neg { -v } else { v }),
-        _ => {
-            return Err(syn::Error::new_spanned(
-                value,
-                format!("`{key}` takes a number, e.g. `{key} = 1.0`"),
-            ))
-        }
+    let Some(parsed) = number(value) else {
+        return Err(syn::Error::new_spanned(
+            value,
+            format!("`{key}` takes a number, e.g. `{key} = 1.0`"),
+        ));
     };
     match parsed {
         Some(v) if v.is_finite() && v > 0.0 => Ok(v),
@@ -201,18 +201,7 @@ pub(crate) fn profile_dir(value: &Expr) -> syn::Result<String> {
 
 /// `flops_per_sample = F`: the model's FLOPs per sample, for a profile's FLOP rate.
 pub(crate) fn flops_per_sample(value: &Expr) -> syn::Result<f64> {
-    let parsed = match literal(value) {
-        Some((Lit::Float(f), neg)) => f
-            .base10_parse::<f64>()
-            .ok()
-            .map(|v| if neg { -v } else { v }),
-        Some((Lit::Int(i), neg)) => i
-            .base10_parse::<f64>()
-            .ok()
-            .map(|v| if neg { -v } else { v }),
-        _ => None,
-    };
-    match parsed {
+    match number(value).flatten() {
         Some(v) if v.is_finite() && v > 0.0 => Ok(v),
         _ => Err(syn::Error::new_spanned(
             value,

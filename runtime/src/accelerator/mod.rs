@@ -34,6 +34,8 @@ pub mod prepare;
 mod profile;
 mod reshard;
 mod restore;
+#[cfg(test)]
+mod slow_data;
 mod snapshots;
 mod step_times;
 mod tools;

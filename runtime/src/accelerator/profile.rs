@@ -224,32 +224,14 @@ impl Accelerator {
 
 #[cfg(test)]
 mod tests {
-    use crate::data::{DataLoader, Dataset};
+    use crate::accelerator::slow_data::Slow;
+    use crate::data::DataLoader;
     use crate::observe::profile::{read_dir, SpanKind};
     use crate::optim::{ParamsSgd, Sgd};
     use crate::tracking::{JsonlTracker, Tracker};
     use crate::Accelerator;
-    use candle_core::{DType, Device, Tensor};
+    use candle_core::{DType, Device};
     use candle_nn::{Optimizer, VarMap};
-    use std::time::Duration;
-
-    /// Batches of ones that each take 5 ms to build.
-    struct Slow;
-
-    impl Dataset for Slow {
-        type Item = ();
-        type Batch = Tensor;
-        fn len(&self) -> usize {
-            12
-        }
-        fn get(&self, _: usize) -> crate::Result<()> {
-            Ok(())
-        }
-        fn collate(&self, items: Vec<()>, device: &Device) -> crate::Result<Tensor> {
-            std::thread::sleep(Duration::from_millis(5));
-            Ok(Tensor::ones((items.len(), 3), DType::F32, device)?)
-        }
-    }
 
     fn files_under(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
         let mut out = Vec::new();
@@ -306,7 +288,7 @@ mod tests {
         )?;
         let opt = Sgd::new(varmap.all_vars(), ParamsSgd::default())?;
         let (_varmap, mut opt, mut loader) =
-            acc.prepare((varmap, opt, DataLoader::new(Slow, 2)))?;
+            acc.prepare((varmap, opt, DataLoader::new(Slow { len: 12, ms: 5 }, 2)))?;
         let trackers: Vec<Box<dyn Tracker>> = vec![Box::new(JsonlTracker::new(dir.join("runs")))];
         acc.init_trackers("p", &serde_json::json!({}), trackers)?;
         let mut step = 0;

@@ -54,30 +54,12 @@ impl Accelerator {
 
 #[cfg(test)]
 mod tests {
-    use crate::data::{DataLoader, Dataset};
+    use crate::accelerator::slow_data::Slow;
+    use crate::data::DataLoader;
     use crate::optim::{ParamsSgd, Sgd};
     use crate::Accelerator;
-    use candle_core::{DType, Device, Tensor};
+    use candle_core::{DType, Device};
     use candle_nn::{Optimizer, VarMap};
-    use std::time::Duration;
-
-    /// Batches of ones that each take 10 ms to build.
-    struct Slow;
-
-    impl Dataset for Slow {
-        type Item = ();
-        type Batch = Tensor;
-        fn len(&self) -> usize {
-            16
-        }
-        fn get(&self, _: usize) -> crate::Result<()> {
-            Ok(())
-        }
-        fn collate(&self, items: Vec<()>, device: &Device) -> crate::Result<Tensor> {
-            std::thread::sleep(Duration::from_millis(10));
-            Ok(Tensor::ones((items.len(), 3), DType::F32, device)?)
-        }
-    }
 
     #[test]
     fn every_phase_of_a_step_is_counted_where_it_happened() -> crate::Result<()> {
@@ -92,7 +74,7 @@ mod tests {
         )?;
         let opt = Sgd::new(varmap.all_vars(), ParamsSgd::default())?;
         let (_varmap, mut opt, mut loader) =
-            acc.prepare((varmap, opt, DataLoader::new(Slow, 2)))?;
+            acc.prepare((varmap, opt, DataLoader::new(Slow { len: 16, ms: 10 }, 2)))?;
         acc.step_times_all()?; // a fresh start: nothing counted yet
         for batch in loader.iter() {
             let x = batch?;
