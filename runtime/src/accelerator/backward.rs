@@ -298,7 +298,12 @@ impl Accelerator {
                 ));
             };
             step(&store)?;
-            shard.gather_into(&self.comm, &m.compute, Some(&m.buffer))?;
+            shard.gather_into(
+                &self.comm,
+                self.sync.bucket_bytes(),
+                &m.compute,
+                Some(&m.buffer),
+            )?;
         }
         Ok((store, false, norm))
     }

@@ -318,7 +318,7 @@ impl Accelerator {
     pub(crate) fn gather_loaded_slices(&self) -> Result<()> {
         for m in self.training.models() {
             if let Some(shard) = &m.shard {
-                shard.gather_into(&self.comm, &m.compute, None)?;
+                shard.gather_into(&self.comm, self.sync.bucket_bytes(), &m.compute, None)?;
             }
         }
         Ok(())

@@ -8,7 +8,7 @@
 pub(crate) mod accelerated;
 pub mod adamw;
 pub mod any;
-mod fused;
+pub(crate) mod fused;
 pub mod schedule;
 mod scheduler;
 pub mod sgd;

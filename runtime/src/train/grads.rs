@@ -287,6 +287,7 @@ impl ParamSet {
         shard.reduce_scatter(
             comm,
             position,
+            bucket_bytes,
             &mut self.sums,
             inv_scale,
             check_overflow,

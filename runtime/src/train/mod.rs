@@ -8,6 +8,7 @@ pub(crate) mod frozen;
 pub mod grads;
 pub(crate) mod reach;
 pub(crate) mod shard;
+pub(crate) mod shard_sync;
 pub(crate) mod sync;
 pub(crate) mod training;
 pub(crate) mod window;

@@ -163,75 +163,6 @@ impl Sharded {
             })
             .collect()
     }
-
-    /// Writes every process's updated slice into the model's weights. Weights in bf16/f16
-    /// travel at their own size, half of f32's: each process rounds its own slice, which gives
-    /// the values the f32 gather would have rounded to. Variables flagged in `skip` (a model's
-    /// buffers, which hold their own value) keep it, and their dtype does not count.
-    pub(crate) fn gather_into(
-        &self,
-        comm: &dyn Communicator,
-        compute: &[Var],
-        skip: Option<&[bool]>,
-    ) -> Result<()> {
-        let skipped = |i: usize| skip.is_some_and(|s| s[i]);
-        let mut weights = compute.iter().enumerate().filter(|(i, _)| !skipped(*i));
-        let dtype = weights
-            .clone()
-            .next()
-            .map_or(DType::F32, |(_, v)| v.dtype());
-        let half =
-            matches!(dtype, DType::BF16 | DType::F16) && weights.all(|(_, v)| v.dtype() == dtype);
-        if !half {
-            for (i, (var, t)) in compute
-                .iter()
-                .zip(self.gathered(comm, compute)?)
-                .enumerate()
-            {
-                if !skipped(i) {
-                    var.set(&t.to_dtype(var.dtype())?)?;
-                }
-            }
-            return Ok(());
-        }
-        let mut mine = Vec::with_capacity(self.plan.counts[comm.rank()] * 2);
-        for m in &self.masters {
-            half_bytes(&m.as_tensor().to_dtype(dtype)?, &mut mine)?;
-        }
-        let total: usize = self.plan.counts.iter().sum();
-        let mut whole = vec![0u8; total * 2];
-        comm.all_gather_into(&mine, &mut whole, &self.plan.counts, 2)?;
-        for (i, var) in compute.iter().enumerate().filter(|(i, _)| !skipped(*i)) {
-            let at = self.plan.offsets[i] * 2;
-            let bytes = &whole[at..at + self.plan.sizes[i] * 2];
-            var.set(&Tensor::from_raw_buffer(
-                bytes,
-                dtype,
-                var.dims(),
-                var.device(),
-            )?)?;
-        }
-        Ok(())
-    }
-}
-
-/// Appends the little-endian bytes of a bf16 or f16 tensor's elements.
-fn half_bytes(t: &Tensor, out: &mut Vec<u8>) -> Result<()> {
-    match t.dtype() {
-        DType::BF16 => out.extend(
-            t.flatten_all()?
-                .to_vec1::<half::bf16>()?
-                .iter()
-                .flat_map(|x| x.to_le_bytes()),
-        ),
-        _ => out.extend(
-            t.flatten_all()?
-                .to_vec1::<half::f16>()?
-                .iter()
-                .flat_map(|x| x.to_le_bytes()),
-        ),
-    }
-    Ok(())
 }
 
 /// What a sharded sync leaves for the step: the pieces' gradients and the partial sums the
@@ -264,56 +195,6 @@ impl Sharded {
                 }
                 store.insert(m.as_tensor(), g);
             }
-        }
-        Ok(partial)
-    }
-
-    /// Stage 2: every rank sends its whole window sums (`sums`, taken) and receives its
-    /// slice's sum, which becomes the mean gradient of each piece in `store`, with this
-    /// process's share of the overflow check and of the squared norm.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn reduce_scatter(
-        &self,
-        comm: &dyn Communicator,
-        position: u64,
-        sums: &mut [Option<Tensor>],
-        inv_scale: f64,
-        check_overflow: bool,
-        want_norm: bool,
-        store: &mut GradStore,
-    ) -> Result<Partial> {
-        let mut partial = Partial {
-            overflow: false,
-            squares: 0.0,
-        };
-        let world = comm.world_size();
-        let present: Vec<bool> = sums.iter().map(Option::is_some).collect();
-        let total: usize = self.plan.sizes.iter().sum();
-        let mut send = Vec::with_capacity(total);
-        for (sum, &n) in sums.iter_mut().zip(&self.plan.sizes) {
-            match sum.take() {
-                Some(g) => send.extend(g.flatten_all()?.to_vec1::<f32>()?),
-                None => send.resize(send.len() + n, 0.0),
-            }
-        }
-        let mut mine = vec![0f32; self.plan.counts[comm.rank()]];
-        comm.reduce_scatter_sum_into(&send, &mut mine, &self.plan.counts, position)?;
-        drop(send);
-        let factor = (inv_scale / world as f64) as f32;
-        let mut at = 0;
-        for (p, m) in self.plan.pieces.iter().zip(&self.masters) {
-            let run: Vec<f32> = mine[at..at + p.len].iter().map(|x| x * factor).collect();
-            at += p.len;
-            if !present[p.param] {
-                continue;
-            }
-            if check_overflow && run.iter().any(|x| !x.is_finite()) {
-                partial.overflow = true;
-            }
-            if want_norm {
-                partial.squares += run.iter().map(|x| (*x as f64) * (*x as f64)).sum::<f64>();
-            }
-            store.insert(m.as_tensor(), Tensor::from_vec(run, p.len, m.device())?);
         }
         Ok(partial)
     }
