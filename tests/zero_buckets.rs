@@ -1,6 +1,7 @@
-//! ZeRO stage 2's sync bucket by bucket, on real processes: a model whose 1 MB buckets, rank
-//! slices and variables all cut each other trains to plain candle's weights, and a step holds
-//! no second copy of the whole gradient (nor of the whole weights) on top of candle's own.
+//! The gradient sync bucket by bucket, on real processes: a model whose 1 MB buckets, ZeRO
+//! stage 2's rank slices and variables all cut each other trains to plain candle's weights
+//! (sharded or not), and a stage-2 step holds no second copy of the whole gradient (nor of the
+//! whole weights) on top of candle's own.
 
 mod common;
 
@@ -96,6 +97,14 @@ fn stage_2_syncs_bucket_by_bucket_to_plain_candles_weights_without_a_second_grad
             assert!(d < 1e-5, "{n} ranks, rank {r}: {d} from plain candle");
             assert_eq!(w, &ws[0], "{n} ranks: rank {r} differs from rank 0");
         }
+    }
+    // Plain data parallelism's buckets cut variables too (scale 2: matrix 2 is 1.03 MB, longer
+    // than a bucket): its mean is plain candle's as well.
+    let (ws, _) = run(3, &["stage=no", "scale=2", "steps=3", "batch=4"], "zb-dp-3");
+    let expected = reference(2, 3, 4, 3);
+    for (r, w) in ws.iter().enumerate() {
+        let d = max_diff(w, &expected);
+        assert!(d < 1e-5, "no sharding, rank {r}: {d} from plain candle");
     }
     // bf16 weights travel at their own size and are written in place: the ranks agree, and
     // every weight is within one bf16 step (at 0.1–0.2, 2^-10) of the unsharded bf16 run's.

@@ -1,13 +1,15 @@
 //! The gradient sync's buckets: the layout of a model's gradients in flat buffers, and the
 //! host buffers that carry them across processes without allocating.
 //!
-//! Every rank lays the gradients out alike: variables in name order, cut into buckets of at
-//! most `bucket_bytes` (a variable larger than a bucket travels alone). On the CPU one send
-//! and one receive buffer, sized once for the largest bucket, carry every bucket of every step:
-//! a gradient is copied into the send buffer, the buffers are reduced, and the mean comes back
-//! into the gradient's own storage (the window's sum, which nothing else holds), so a step of
-//! the sync allocates no buffer and no tensor. Gradients elsewhere (a GPU) or in another form
-//! take the general path, [`all_reduce_bucketed`].
+//! Every rank lays the gradients out alike: variables in name order. On the CPU their elements
+//! are cut into buckets of `bucket_bytes` (a variable larger than a bucket is cut across
+//! several), and one send and one receive buffer of one bucket each carry every bucket of every
+//! step: a gradient's part is copied into the send buffer, the buffers are reduced, and the
+//! mean comes back into the gradient's own storage (the window's sum, which nothing else
+//! holds), so a step of the sync allocates no buffer and no tensor, and the buffers cost two
+//! buckets whatever the largest variable. Gradients elsewhere (a GPU) or in another form take
+//! the general path, [`all_reduce_bucketed`], whose buckets hold whole variables (a variable
+//! larger than a bucket travels alone).
 
 use std::cell::{Cell, RefCell};
 use std::ops::Range;
@@ -39,6 +41,45 @@ pub(crate) fn cut(
     }
     if end > start {
         out.push(start..end);
+    }
+    out
+}
+
+/// A run of one variable's elements inside a bucket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Span {
+    /// The variable's position in the laid-out list.
+    pub at: usize,
+    /// Its first element in this bucket (flattened).
+    pub from: usize,
+    /// How many of its elements this bucket holds.
+    pub len: usize,
+}
+
+/// Cuts the elements of variables of `sizes` (f32), one after the other, into buckets of
+/// `bucket_bytes` (the last one shorter); a variable may be cut across buckets.
+pub(crate) fn chunks(
+    sizes: impl IntoIterator<Item = usize>,
+    bucket_bytes: usize,
+) -> Vec<Vec<Span>> {
+    let step = (bucket_bytes / 4).max(1);
+    let mut out = Vec::new();
+    let mut bucket = Vec::new();
+    let mut room = step;
+    for (at, n) in sizes.into_iter().enumerate() {
+        let mut from = 0;
+        while from < n {
+            let len = room.min(n - from);
+            bucket.push(Span { at, from, len });
+            (from, room) = (from + len, room - len);
+            if room == 0 {
+                out.push(std::mem::take(&mut bucket));
+                room = step;
+            }
+        }
+    }
+    if !bucket.is_empty() {
+        out.push(bucket);
     }
     out
 }
@@ -94,8 +135,8 @@ pub(crate) struct Finish {
 #[derive(Debug, Default)]
 pub(crate) struct SyncBuffers {
     // The bucket size the layout was cut for, the variables it lays out (indices into the
-    // model's variables: the synced ones), and the buckets (ranges of positions in that list).
-    layout: Option<(usize, Vec<usize>, Vec<Range<usize>>)>,
+    // model's variables: the synced ones), and the buckets (runs of those variables).
+    layout: Option<(usize, Vec<usize>, Vec<Vec<Span>>)>,
     send: Vec<f32>,
     recv: Vec<f32>,
     // Scratch for the aliasing check: (start, end) addresses of every gradient's data.
@@ -155,15 +196,10 @@ impl SyncBuffers {
             .as_ref()
             .is_none_or(|(b, s, _)| *b != bucket_bytes || s != synced)
         {
-            let buckets = cut(synced.iter().map(|&i| master[i].elem_count()), bucket_bytes);
+            let buckets = chunks(synced.iter().map(|&i| master[i].elem_count()), bucket_bytes);
             let largest = buckets
                 .iter()
-                .map(|r| {
-                    synced[r.clone()]
-                        .iter()
-                        .map(|&i| master[i].elem_count())
-                        .sum::<usize>()
-                })
+                .map(|b| b.iter().map(|s| s.len).sum::<usize>())
                 .max()
                 .unwrap_or(0);
             self.send = vec![0.0; largest];
@@ -176,34 +212,39 @@ impl SyncBuffers {
         let mut overflow = false;
         for bucket in buckets {
             let mut len = 0;
-            for &i in &synced[bucket.clone()] {
-                let (sum, var) = (&sums[i], &master[i]);
-                let n = var.elem_count();
-                let dst = &mut self.send[len..len + n];
-                match sum {
-                    Some(t) => t.inplace_op1(&CopyOut(RefCell::new(dst)))?,
+            for span in bucket {
+                let dst = &mut self.send[len..len + span.len];
+                match &sums[synced[span.at]] {
+                    Some(t) => t.inplace_op1(&CopyOut {
+                        from: span.from,
+                        dst: RefCell::new(dst),
+                    })?,
                     // Every rank sends the same layout: a variable no loss reached sends zeros.
                     None => dst.fill(0.0),
                 }
-                len += n;
+                len += span.len;
             }
             comm.all_reduce_sum_into(&self.send[..len], &mut self.recv[..len], position)?;
             let mut offset = 0;
-            for &i in &synced[bucket.clone()] {
-                let var = &master[i];
-                let n = var.elem_count();
-                if let Some(t) = sums[i].take() {
+            for span in bucket {
+                let i = synced[span.at];
+                if let Some(t) = &sums[i] {
                     let op = CopyIn {
-                        src: &self.recv[offset..offset + n],
+                        from: span.from,
+                        src: &self.recv[offset..offset + span.len],
                         finish,
                         check: check_overflow && !overflow,
                         non_finite: Cell::new(false),
                     };
                     t.inplace_op1(&op)?;
                     overflow |= op.non_finite.get();
-                    store.insert(var.as_tensor(), t);
+                    if span.from + span.len == master[i].elem_count() {
+                        // Its last part is back: the whole mean is in place.
+                        let t = sums[i].take().expect("present");
+                        store.insert(master[i].as_tensor(), t);
+                    }
                 }
-                offset += n;
+                offset += span.len;
             }
         }
         Ok(overflow)
@@ -228,8 +269,12 @@ fn f32_slice<'a>(
     Ok(&mut data[a..b])
 }
 
-/// Copies a gradient's values into a slice of the send buffer (it only reads the storage).
-struct CopyOut<'a>(RefCell<&'a mut [f32]>);
+/// Copies a gradient's values from element `from` on into a slice of the send buffer (it only
+/// reads the storage).
+struct CopyOut<'a> {
+    from: usize,
+    dst: RefCell<&'a mut [f32]>,
+}
 
 impl InplaceOp1 for CopyOut<'_> {
     fn name(&self) -> &'static str {
@@ -238,17 +283,24 @@ impl InplaceOp1 for CopyOut<'_> {
 
     fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
         let src = f32_slice(storage, layout, self.name())?;
-        let mut dst = self.0.borrow_mut();
-        if src.len() != dst.len() {
-            candle_core::bail!("ivme-gradient-pack: {} values for {}", src.len(), dst.len())
-        }
+        let mut dst = self.dst.borrow_mut();
+        let Some(src) = src.get(self.from..self.from + dst.len()) else {
+            candle_core::bail!(
+                "ivme-gradient-pack: {} values from {} of {}",
+                dst.len(),
+                self.from,
+                src.len()
+            )
+        };
         dst.copy_from_slice(src);
         Ok(())
     }
 }
 
-/// Writes a reduced slice, finished (mean, unscaled), into a gradient's own storage.
+/// Writes a reduced slice, finished (mean, unscaled), into a gradient's own storage from
+/// element `from` on.
 struct CopyIn<'a> {
+    from: usize,
     src: &'a [f32],
     finish: Finish,
     check: bool,
@@ -262,13 +314,14 @@ impl InplaceOp1 for CopyIn<'_> {
 
     fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
         let dst = f32_slice(storage, layout, self.name())?;
-        if self.src.len() != dst.len() {
+        let Some(dst) = dst.get_mut(self.from..self.from + self.src.len()) else {
             candle_core::bail!(
-                "ivme-gradient-unpack: {} values for {}",
+                "ivme-gradient-unpack: {} values from {} of {}",
                 self.src.len(),
+                self.from,
                 dst.len()
             )
-        }
+        };
         let Finish {
             inv_world,
             inv_scale,
@@ -303,6 +356,79 @@ mod tests {
         assert_eq!(cut([100, 1, 1], 80), vec![0..1, 1..3]);
         assert_eq!(cut([1, 100, 1], 80), vec![0..1, 1..2, 2..3]);
         assert_eq!(cut(Vec::<usize>::new(), 80), Vec::<Range<usize>>::new());
+    }
+
+    #[test]
+    fn chunks_fill_every_bucket_and_cut_variables_across_them() {
+        let span = |at, from, len| Span { at, from, len };
+        // 10 elements per bucket.
+        assert_eq!(
+            chunks([4, 25, 3], 40),
+            vec![
+                vec![span(0, 0, 4), span(1, 0, 6)],
+                vec![span(1, 6, 10)],
+                vec![span(1, 16, 9), span(2, 0, 1)],
+                vec![span(2, 1, 2)],
+            ]
+        );
+        assert_eq!(chunks([10], 40), vec![vec![span(0, 0, 10)]]);
+        assert!(chunks(Vec::<usize>::new(), 40).is_empty());
+    }
+
+    /// A variable larger than a bucket is cut across buckets: the buffers stay one bucket each,
+    /// every part comes back finished, and an overflow in a later part is seen.
+    #[test]
+    fn a_variable_larger_than_a_bucket_syncs_through_one_bucket_buffers() -> Result<()> {
+        let d = candle_core::Device::Cpu;
+        let vars = [
+            Var::zeros(1000, DType::F32, &d)?,
+            Var::zeros(7, DType::F32, &d)?,
+        ];
+        let g0 = Tensor::arange(0f32, 1000.0, &d)?;
+        let g1 = Tensor::arange(0f32, 7.0, &d)?;
+        let mut sums = vec![Some(g0.copy()?), Some(g1.copy()?)];
+        let mut bufs = SyncBuffers::default();
+        assert!(bufs.fits(&sums));
+        let mut store = GradStore::default();
+        let finish = Finish {
+            inv_world: 0.5,
+            inv_scale: Some(0.25),
+        };
+        let comm = crate::comm::SingleComm;
+        // Buckets of 100 values.
+        let of = bufs.sync(
+            &comm,
+            &mut sums,
+            &vars,
+            &[0, 1],
+            0,
+            400,
+            finish,
+            true,
+            &mut store,
+        )?;
+        assert!(!of);
+        assert_eq!(bufs.bytes(), 2 * 100 * 4);
+        for (v, g) in vars.iter().zip([g0, g1]) {
+            let want = ((g * 0.5)? * 0.25)?.to_vec1::<f32>()?;
+            assert_eq!(store.get(v.as_tensor()).unwrap().to_vec1::<f32>()?, want);
+        }
+        assert!(sums.iter().all(Option::is_none));
+        let mut late = vec![0f32; 1000];
+        late[950] = f32::NAN;
+        let mut sums = vec![Some(Tensor::new(late.as_slice(), &d)?), None];
+        assert!(bufs.sync(
+            &comm,
+            &mut sums,
+            &vars,
+            &[0, 1],
+            0,
+            400,
+            finish,
+            true,
+            &mut store
+        )?);
+        Ok(())
     }
 
     #[test]
