@@ -3,6 +3,32 @@
 
 use super::*;
 
+/// Syncs on one process (the identity communicator), at position 0.
+#[allow(clippy::too_many_arguments)]
+fn sync_alone(
+    bufs: &mut SyncBuffers,
+    sums: &mut [Option<Tensor>],
+    vars: &[Var],
+    synced: &[usize],
+    bucket_bytes: usize,
+    finish: Finish,
+    check: bool,
+    store: &mut GradStore,
+) -> Result<bool> {
+    let comm = crate::comm::SingleComm;
+    bufs.sync(
+        &comm,
+        sums,
+        vars,
+        synced,
+        0,
+        bucket_bytes,
+        finish,
+        check,
+        store,
+    )
+}
+
 #[test]
 fn buckets_hold_at_most_their_bytes_and_big_variables_travel_alone() {
     assert_eq!(cut([10, 10, 10], 80), vec![0..2, 2..3]);
@@ -47,14 +73,12 @@ fn a_variable_larger_than_a_bucket_syncs_through_one_bucket_buffers() -> Result<
         inv_world: 0.5,
         inv_scale: Some(0.25),
     };
-    let comm = crate::comm::SingleComm;
     // Buckets of 100 values.
-    let of = bufs.sync(
-        &comm,
+    let of = sync_alone(
+        &mut bufs,
         &mut sums,
         &vars,
         &[0, 1],
-        0,
         400,
         finish,
         true,
@@ -70,12 +94,11 @@ fn a_variable_larger_than_a_bucket_syncs_through_one_bucket_buffers() -> Result<
     let mut late = vec![0f32; 1000];
     late[950] = f32::NAN;
     let mut sums = vec![Some(Tensor::new(late.as_slice(), &d)?), None];
-    assert!(bufs.sync(
-        &comm,
+    assert!(sync_alone(
+        &mut bufs,
         &mut sums,
         &vars,
         &[0, 1],
-        0,
         400,
         finish,
         true,
@@ -114,13 +137,11 @@ fn one_process_sync_writes_the_finished_values_into_the_sums() -> Result<()> {
         inv_world: 0.5,
         inv_scale: Some(0.25),
     };
-    let comm = crate::comm::SingleComm;
-    let of = bufs.sync(
-        &comm,
+    let of = sync_alone(
+        &mut bufs,
         &mut sums,
         &vars,
         &[0, 1],
-        0,
         1 << 20,
         finish,
         true,
@@ -133,12 +154,11 @@ fn one_process_sync_writes_the_finished_values_into_the_sums() -> Result<()> {
     assert!(store.get(vars[1].as_tensor()).is_none());
     assert!(sums.iter().all(Option::is_none));
     let mut sums = vec![Some(Tensor::new(&[f32::INFINITY, 0.0, 0.0], &d)?), None];
-    assert!(bufs.sync(
-        &comm,
+    assert!(sync_alone(
+        &mut bufs,
         &mut sums,
         &vars,
         &[0, 1],
-        0,
         1 << 20,
         finish,
         true,
@@ -168,13 +188,11 @@ fn the_buckets_lay_out_the_synced_variables_only() -> Result<()> {
         inv_world: 0.5,
         inv_scale: None,
     };
-    let comm = crate::comm::SingleComm;
-    bufs.sync(
-        &comm,
+    sync_alone(
+        &mut bufs,
         &mut sums,
         &vars,
         &[1],
-        0,
         1 << 20,
         finish,
         false,
