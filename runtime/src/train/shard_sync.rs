@@ -71,11 +71,22 @@ fn copy_out(t: &Tensor, from: usize, dst: &mut [f32]) -> Result<()> {
 }
 
 /// Appends the (native-endian) bytes of `t`'s elements in `wire` (f32, bf16 or f16), rounded as
-/// candle's `to_dtype` rounds.
+/// candle's `to_dtype` rounds (`from_f32`). An f32 CPU tensor (a master) is read in place, with
+/// no intermediate tensor or vector.
 fn append_bytes(t: &Tensor, wire: DType, out: &mut Vec<u8>) -> Result<()> {
-    if wire == DType::F32 && fused::fits(t) {
+    if fused::fits(t) {
         fused::with_ref(t, |data| {
-            out.extend_from_slice(bytemuck::cast_slice(data));
+            match wire {
+                DType::BF16 => out.extend(
+                    data.iter()
+                        .flat_map(|&x| half::bf16::from_f32(x).to_ne_bytes()),
+                ),
+                DType::F16 => out.extend(
+                    data.iter()
+                        .flat_map(|&x| half::f16::from_f32(x).to_ne_bytes()),
+                ),
+                _ => out.extend_from_slice(bytemuck::cast_slice(data)),
+            }
             Ok(())
         })?;
         return Ok(());
