@@ -288,6 +288,7 @@ impl ParamSet {
             comm,
             position,
             bucket_bytes,
+            &mut self.buffers,
             &mut self.sums,
             inv_scale,
             check_overflow,

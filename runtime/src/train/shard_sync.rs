@@ -13,6 +13,7 @@
 use crate::comm::Communicator;
 use crate::error::Result;
 use crate::optim::fused;
+use crate::train::bucket::SyncBuffers;
 use crate::train::shard::{Partial, Sharded};
 use candle_core::backend::BackendStorage;
 use candle_core::backprop::GradStore;
@@ -70,41 +71,46 @@ fn copy_out(t: &Tensor, from: usize, dst: &mut [f32]) -> Result<()> {
     Ok(())
 }
 
-/// Appends the (native-endian) bytes of `t`'s elements in `wire` (f32, bf16 or f16), rounded as
-/// candle's `to_dtype` rounds (`from_f32`). An f32 CPU tensor (a master) is read in place, with
-/// no intermediate tensor or vector.
-fn append_bytes(t: &Tensor, wire: DType, out: &mut Vec<u8>) -> Result<()> {
+/// Writes the (native-endian) bytes of `t`'s elements in `wire` (f32, bf16 or f16) into `out`
+/// (exactly their size), rounded as candle's `to_dtype` rounds (`from_f32`). An f32 CPU tensor
+/// (a master) is read in place, with no intermediate tensor or vector.
+fn write_bytes(t: &Tensor, wire: DType, out: &mut [u8]) -> Result<()> {
     if fused::fits(t) {
         fused::with_ref(t, |data| {
             match wire {
-                DType::BF16 => out.extend(
-                    data.iter()
-                        .flat_map(|&x| half::bf16::from_f32(x).to_ne_bytes()),
-                ),
-                DType::F16 => out.extend(
-                    data.iter()
-                        .flat_map(|&x| half::f16::from_f32(x).to_ne_bytes()),
-                ),
-                _ => out.extend_from_slice(bytemuck::cast_slice(data)),
+                DType::BF16 => out
+                    .chunks_exact_mut(2)
+                    .zip(data)
+                    .for_each(|(o, &x)| o.copy_from_slice(&half::bf16::from_f32(x).to_ne_bytes())),
+                DType::F16 => out
+                    .chunks_exact_mut(2)
+                    .zip(data)
+                    .for_each(|(o, &x)| o.copy_from_slice(&half::f16::from_f32(x).to_ne_bytes())),
+                _ => out.copy_from_slice(bytemuck::cast_slice(data)),
             }
             Ok(())
         })?;
         return Ok(());
     }
     let t = t.to_dtype(wire)?;
-    match wire {
-        DType::BF16 => out.extend(
-            t.to_vec1::<half::bf16>()?
-                .iter()
-                .flat_map(|x| x.to_ne_bytes()),
-        ),
-        DType::F16 => out.extend(
-            t.to_vec1::<half::f16>()?
-                .iter()
-                .flat_map(|x| x.to_ne_bytes()),
-        ),
-        _ => out.extend(t.to_vec1::<f32>()?.iter().flat_map(|x| x.to_ne_bytes())),
-    }
+    let bytes: Vec<u8> = match wire {
+        DType::BF16 => t
+            .to_vec1::<half::bf16>()?
+            .iter()
+            .flat_map(|x| x.to_ne_bytes())
+            .collect(),
+        DType::F16 => t
+            .to_vec1::<half::f16>()?
+            .iter()
+            .flat_map(|x| x.to_ne_bytes())
+            .collect(),
+        _ => t
+            .to_vec1::<f32>()?
+            .iter()
+            .flat_map(|x| x.to_ne_bytes())
+            .collect(),
+    };
+    out.copy_from_slice(&bytes);
     Ok(())
 }
 
@@ -189,6 +195,7 @@ impl Sharded {
         comm: &dyn Communicator,
         position: u64,
         bucket_bytes: usize,
+        buffers: &mut SyncBuffers,
         sums: &mut [Option<Tensor>],
         inv_scale: f64,
         check_overflow: bool,
@@ -198,6 +205,18 @@ impl Sharded {
         let plan = &self.plan;
         let (world, rank) = (comm.world_size(), comm.rank());
         let present: Vec<bool> = sums.iter().map(Option::is_some).collect();
+        // A piece that is a whole variable (the usual case) receives its mean into the window
+        // sum's own storage, as the unsharded sync does, and hands that on: no second buffer
+        // for it. That needs sums on the CPU, in f32, that share no memory (`fits`; `buffers`
+        // only lends its scratch for that check); the other pieces (at most the first and the
+        // last of the slice) get a run of their own.
+        let in_place = buffers.fits(sums);
+        let mut whole_piece: Vec<Option<usize>> = vec![None; plan.sizes.len()];
+        for (k, p) in plan.pieces.iter().enumerate() {
+            if in_place && present[p.param] && p.from == 0 && p.len == plan.sizes[p.param] {
+                whole_piece[p.param] = Some(k);
+            }
+        }
         let total: usize = plan.sizes.iter().sum();
         let bounds = bounds(&plan.counts);
         let (lo, hi) = (bounds[rank], bounds[rank + 1]);
@@ -208,8 +227,15 @@ impl Sharded {
         let mut runs: Vec<Vec<f32>> = plan
             .pieces
             .iter()
-            .map(|p| Vec::with_capacity(p.len))
+            .map(|p| match whole_piece[p.param] {
+                Some(_) => Vec::new(),
+                None => Vec::with_capacity(p.len),
+            })
             .collect();
+        let mut partial = Partial {
+            overflow: false,
+            squares: 0.0,
+        };
         let mut a = 0;
         while a < total {
             let b = (a + step).min(total);
@@ -221,7 +247,7 @@ impl Sharded {
                     // Every rank sends the same layout: a variable without a gradient, zeros.
                     None => dst.fill(0.0),
                 }
-                if to == off + plan.sizes[i] {
+                if to == off + plan.sizes[i] && whole_piece[i].is_none() {
                     // Its last element is packed: the whole gradient is not needed any more.
                     sums[i] = None;
                 }
@@ -234,30 +260,47 @@ impl Sharded {
             for (p, run) in plan.pieces.iter().zip(runs.iter_mut()) {
                 let start = plan.offsets[p.param] + p.from;
                 let (from, to) = (start.max(first), (start + p.len).min(first + got.len()));
-                if from < to {
-                    run.extend(got[from - first..to - first].iter().map(|x| x * factor));
+                if from >= to || !present[p.param] {
+                    continue;
+                }
+                let mean = got[from - first..to - first].iter().map(|x| x * factor);
+                if check_overflow || want_norm {
+                    for x in mean.clone() {
+                        partial.overflow |= check_overflow && !x.is_finite();
+                        if want_norm {
+                            partial.squares += (x as f64) * (x as f64);
+                        }
+                    }
+                }
+                match (whole_piece[p.param], &sums[p.param]) {
+                    // Elements already packed: writing them cannot change what is sent.
+                    (Some(_), Some(sum)) => fused::with_mut(sum, |data| {
+                        let at = from - start;
+                        data[at..at + (to - from)]
+                            .iter_mut()
+                            .zip(mean)
+                            .for_each(|(d, x)| *d = x);
+                        Ok(())
+                    })?,
+                    _ => run.extend(mean),
                 }
             }
             a = b;
         }
-        sums.iter_mut().for_each(|s| *s = None);
-        drop((send, recv));
-        let mut partial = Partial {
-            overflow: false,
-            squares: 0.0,
-        };
         for ((p, m), run) in plan.pieces.iter().zip(&self.masters).zip(runs) {
             if !present[p.param] {
                 continue;
             }
-            if check_overflow && run.iter().any(|x| !x.is_finite()) {
-                partial.overflow = true;
-            }
-            if want_norm {
-                partial.squares += run.iter().map(|x| (*x as f64) * (*x as f64)).sum::<f64>();
-            }
-            store.insert(m.as_tensor(), Tensor::from_vec(run, p.len, m.device())?);
+            let g = match whole_piece[p.param] {
+                Some(_) => sums[p.param]
+                    .take()
+                    .expect("a whole piece keeps its sum")
+                    .reshape(p.len)?,
+                None => Tensor::from_vec(run, p.len, m.device())?,
+            };
+            store.insert(m.as_tensor(), g);
         }
+        sums.iter_mut().for_each(|s| *s = None);
         Ok(partial)
     }
 
@@ -288,28 +331,30 @@ impl Sharded {
         let (lo, hi) = (bounds[comm.rank()], bounds[comm.rank() + 1]);
         let step = (bucket_bytes / eb).max(1);
         let mut whole = vec![0u8; step.min(total) * eb];
-        let mut mine = Vec::with_capacity(step.min(hi - lo) * eb);
+        let mut mine = vec![0u8; step.min(hi - lo) * eb];
         // Variables that cannot be written in place (not on the CPU), assembled whole.
         let mut staged: Vec<Option<Vec<u8>>> = vec![None; compute.len()];
         let mut a = 0;
         while a < total {
             let b = (a + step).min(total);
-            mine.clear();
+            let mut len = 0;
             for (p, m) in plan.pieces.iter().zip(&self.masters) {
                 let start = plan.offsets[p.param] + p.from;
                 let (from, to) = (start.max(a), (start + p.len).min(b));
                 if from < to {
-                    append_bytes(
+                    let dst = &mut mine[len..len + (to - from) * eb];
+                    write_bytes(
                         &m.as_tensor().narrow(0, from - start, to - from)?,
                         wire,
-                        &mut mine,
+                        dst,
                     )?;
+                    len += dst.len();
                 }
             }
-            debug_assert_eq!(mine.len(), b.min(hi).saturating_sub(a.max(lo)) * eb);
+            debug_assert_eq!(len, b.min(hi).saturating_sub(a.max(lo)) * eb);
             let counts = shares(&bounds, a, b);
             let got = &mut whole[..(b - a) * eb];
-            comm.all_gather_into(&mine, got, &counts, eb)?;
+            comm.all_gather_into(&mine[..len], got, &counts, eb)?;
             for (i, from, to) in overlapping(&plan.offsets, &plan.sizes, a, b) {
                 if skipped(i) {
                     continue;
