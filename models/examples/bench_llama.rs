@@ -44,9 +44,8 @@ mod rounds;
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{Optimizer, VarMap};
-use ivme::optim::{AdamW, ParamsAdamW};
 use ivme::{Accelerator, Precision};
-use llama_sizes::{data, loss_of, median, model, size, Size, LR};
+use llama_sizes::{data, ivme_step, loss_of, median, model, size, Size, LR};
 use std::time::Instant;
 
 /// Milliseconds per step of plain candle (accumulate, clip, step, all by hand), after one
@@ -113,25 +112,7 @@ fn accelerated(s: &Size, precision: Precision) -> ivme::Result<f64> {
         .clip_grad_norm(1.0)
         .precision(precision)
         .build()?;
-    let varmap = VarMap::new();
-    let (model, mut cache) = model(s, &varmap, acc.param_dtype(DType::F32))?;
-    let data = data(s)?;
-    let opt = AdamW::new(
-        varmap.all_vars(),
-        ParamsAdamW {
-            lr: LR,
-            ..Default::default()
-        },
-    )?;
-    let (_varmap, mut opt) = acc.prepare((varmap, opt))?;
-    let mut step = |acc: &mut Accelerator| -> ivme::Result<()> {
-        for (x, y) in &data {
-            let loss = loss_of(&model.forward(x, 0, &mut cache)?, y)?;
-            let grads = acc.backward(&loss)?;
-            opt.step(&grads)?;
-        }
-        Ok(())
-    };
+    let mut step = ivme_step(s, &mut acc)?;
     step(&mut acc)?;
     let t = Instant::now();
     for _ in 0..s.steps {

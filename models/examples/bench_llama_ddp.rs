@@ -28,9 +28,8 @@ mod llama_sizes;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{Optimizer, VarMap};
-use ivme::optim::{AdamW, ParamsAdamW};
 use ivme::Accelerator;
-use llama_sizes::{data, loss_of, median, model, size, Size, LR};
+use llama_sizes::{data, ivme_step, loss_of, median, model, size, Size, LR};
 use mpi::collective::SystemOperation;
 use mpi::traits::{Communicator, CommunicatorCollectives};
 use std::process::Command;
@@ -119,25 +118,7 @@ fn ours(s: &Size) -> ivme::Result<Option<f64>> {
         .grad_accum(2)
         .clip_grad_norm(1.0)
         .build()?;
-    let varmap = VarMap::new();
-    let (model, mut cache) = model(s, &varmap, DType::F32)?;
-    let batches = data(s)?;
-    let opt = AdamW::new(
-        varmap.all_vars(),
-        ParamsAdamW {
-            lr: LR,
-            ..Default::default()
-        },
-    )?;
-    let (_varmap, mut opt) = acc.prepare((varmap, opt))?;
-    let mut step = |acc: &mut Accelerator| -> ivme::Result<()> {
-        for (x, y) in &batches {
-            let loss = loss_of(&model.forward(x, 0, &mut cache)?, y)?;
-            let grads = acc.backward(&loss)?;
-            opt.step(&grads)?;
-        }
-        Ok(())
-    };
+    let mut step = ivme_step(s, &mut acc)?;
     step(&mut acc)?;
     acc.wait_for_everyone()?;
     let t = Instant::now();

@@ -138,3 +138,33 @@ pub fn size(name: &str) -> ivme::Result<&'static Size> {
         .find(|s| s.name == name)
         .ok_or_else(|| ivme::Error::Usage(format!("unknown size `{name}`: use T, S, M or L")))
 }
+
+/// ivme's training step at size `s`: the model (in `acc`'s parameter dtype), its two
+/// micro-batches and AdamW, prepared on `acc`; each call of the result is one optimizer step.
+#[allow(dead_code)]
+pub fn ivme_step(
+    s: &Size,
+    acc: &mut ivme::Accelerator,
+) -> ivme::Result<impl FnMut(&mut ivme::Accelerator) -> ivme::Result<()>> {
+    use candle_nn::Optimizer;
+    let varmap = VarMap::new();
+    let (model, mut cache) = model(s, &varmap, acc.param_dtype(DType::F32))?;
+    let batches = data(s)?;
+    let opt = ivme::optim::AdamW::new(
+        varmap.all_vars(),
+        ivme::optim::ParamsAdamW {
+            lr: LR,
+            ..Default::default()
+        },
+    )?;
+    let (varmap, mut opt) = acc.prepare((varmap, opt))?;
+    Ok(move |acc: &mut ivme::Accelerator| -> ivme::Result<()> {
+        let _prepared = &varmap;
+        for (x, y) in &batches {
+            let loss = loss_of(&model.forward(x, 0, &mut cache)?, y)?;
+            let grads = acc.backward(&loss)?;
+            opt.step(&grads)?;
+        }
+        Ok(())
+    })
+}
