@@ -76,8 +76,15 @@ fn the_attribute_with_zero_2_trains_like_plain_candle_on_2_and_3_processes() {
             let held: serde_json::Value =
                 serde_json::from_slice(&std::fs::read(out.join(format!("held{r}.json"))).unwrap())
                     .unwrap();
-            // Sgd without momentum keeps no state; each rank's f32 masters are its slice of
-            // the 49 parameters.
+            // Sgd without momentum keeps no state. Stage 2 keeps no gradient memory between
+            // steps (plain data parallelism keeps its sync buffers), and each rank's f32
+            // masters are copies only where its slice cuts a variable: a whole f32 variable
+            // is its own master.
+            assert_eq!(
+                held["gradients"].as_u64().unwrap(),
+                0,
+                "{procs} procs: rank {r} keeps gradient memory: not stage 2"
+            );
             let m = held["masters"].as_u64().unwrap();
             assert!(
                 m < 49 * 4,
@@ -85,10 +92,9 @@ fn the_attribute_with_zero_2_trains_like_plain_candle_on_2_and_3_processes() {
             );
             masters += m;
         }
-        assert_eq!(
-            masters,
-            49 * 4,
-            "{procs} procs: the slices cover the model once"
+        assert!(
+            masters < 49 * 4,
+            "{procs} procs: {masters} bytes of f32 masters beside the f32 weights"
         );
         let _ = std::fs::remove_dir_all(&out);
     }

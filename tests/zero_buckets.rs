@@ -159,3 +159,30 @@ fn stage_2_syncs_bucket_by_bucket_to_plain_candles_weights_without_a_second_grad
         );
     }
 }
+
+#[test]
+fn f32_sharding_holds_each_weight_once() {
+    // Scale 8 on 2 ranks: 6.05 M parameters. Unsharded, a rank holds the weights (4 bytes a
+    // parameter) and AdamW's two moments (8); stage 2 the weights and its half of the moments
+    // (4), so it should hold 4 bytes a parameter less. A stage that kept an f32 master copy of
+    // its slice beside the f32 weights saved only half of that (2 bytes a parameter).
+    let args = |stage| [stage, "scale=8", "steps=2", "batch=4"];
+    let (_, plain) = run(2, &args("stage=no"), "zb-held-no");
+    let (_, sharded) = run(2, &args("stage=gradients"), "zb-held-s2");
+    for r in 0..2 {
+        let params = plain[r]["params"].as_f64().unwrap();
+        let held = |rep: &serde_json::Value| rep["held"].as_f64().unwrap();
+        let saved = held(&plain[r]) - held(&sharded[r]);
+        // Less a copy of the one matrix the two slices cut (at most 2.9 MB here, 0.5 B a
+        // parameter), which cannot share the weight's memory.
+        assert!(
+            saved > 3.0 * params,
+            "rank {r}: stage 2 holds {:.1} MB, unsharded {:.1} MB: {:.1} MB less, expected \
+             about {:.1} MB less",
+            held(&sharded[r]) / 1e6,
+            held(&plain[r]) / 1e6,
+            saved / 1e6,
+            4.0 * params / 1e6
+        );
+    }
+}

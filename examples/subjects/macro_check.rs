@@ -141,7 +141,11 @@ fn train_macro_zero2(batches: Vec<(Tensor, Tensor)>, out: &str) -> candle_core::
     write(out, rank, &weights(&varmap)?)?;
     // What this process holds, for the test to see the sharding took effect.
     let held = accelerator.held_bytes()?;
-    let json = serde_json::json!({ "masters": held.masters, "optimizer": held.optimizer });
+    let json = serde_json::json!({
+        "masters": held.masters,
+        "optimizer": held.optimizer,
+        "gradients": held.gradients,
+    });
     std::fs::write(format!("{out}/held{rank}.json"), json.to_string())?;
     Ok(())
 }

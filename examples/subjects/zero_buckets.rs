@@ -3,7 +3,8 @@
 //! on batches drawn from a fixed formula, bucket size 1 MB. Each rank writes its final weights
 //! to `out/rank{R}.safetensors` and, in `out/rank{R}.json`, the most its resident memory grew
 //! during one `backward` call (the optimizer step and the sync happen inside it under
-//! sharding) above what it held before the call, after the first step.
+//! sharding) above what it held before the call, after the first step, and what it holds once
+//! training is over (the weights and the training state).
 //!
 //! Arguments are `key=value`: `stage=no|optimizer|gradients scale=S steps=K batch=B
 //! precision=no|bf16 out=DIR`.
@@ -83,6 +84,7 @@ fn main() -> ivme::Result<()> {
             grew = grew.max(peak.saturating_sub(before));
         }
     }
+    let (held, _) = memory();
     let weights: std::collections::HashMap<String, Tensor> = varmap
         .data()
         .lock()
@@ -93,7 +95,7 @@ fn main() -> ivme::Result<()> {
     std::fs::create_dir_all(&out).map_err(|e| ivme::Error::io("creating out", e))?;
     candle_core::safetensors::save(&weights, out.join(format!("rank{rank}.safetensors")))?;
     let params: usize = WIDTHS.iter().map(|w| INPUT * w * scale).sum();
-    let report = serde_json::json!({ "grew": grew, "params": params });
+    let report = serde_json::json!({ "grew": grew, "held": held, "params": params });
     std::fs::write(out.join(format!("rank{rank}.json")), report.to_string())
         .map_err(|e| ivme::Error::io("writing the report", e))?;
     Ok(())

@@ -103,12 +103,12 @@ impl Accelerator {
                         .plan
                         .pieces
                         .iter()
-                        .zip(&s.masters)
-                        .map(|(p, v)| {
+                        .enumerate()
+                        .map(|(k, p)| {
                             let name = run_name(&m.names[p.param], p.from, p.len);
-                            (name, v.as_tensor().clone())
+                            Ok((name, s.flat(k)?))
                         })
-                        .collect(),
+                        .collect::<Result<_>>()?,
                     None => m
                         .names
                         .iter()

@@ -151,6 +151,7 @@ impl Accelerator {
                 self.sync.sharding(),
                 plan,
                 &full,
+                &compute,
             )?)
         };
         self.training.add_model(ParamSet {
@@ -226,6 +227,7 @@ impl Accelerator {
         self.training.add_optimizer(Box::new(OptimizerSlot {
             opt: shared.clone(),
             names,
+            flat: false,
         }));
         Ok(AcceleratedOptimizer::new(shared, copies)
             .with_clock(self.training.window().clock().clone()))
@@ -298,6 +300,7 @@ impl Accelerator {
         self.training.add_optimizer(Box::new(OptimizerSlot {
             opt: shared.clone(),
             names,
+            flat: true,
         }));
         Ok(AcceleratedOptimizer::sharded(shared))
     }

@@ -406,8 +406,8 @@ impl Accelerator {
                 // The pieces of this process's slice; `gather_loaded_slices` fills the weights.
                 (Some(shard), ModelLoad::Staged(saved)) => {
                     // Copied: a piece may be a view into a larger saved run.
-                    for (master, t) in shard.masters.iter().zip(saved) {
-                        master.set(&t)?;
+                    for (k, t) in saved.into_iter().enumerate() {
+                        shard.set_piece(k, &t)?;
                     }
                 }
                 (None, ModelLoad::Staged(saved)) => {

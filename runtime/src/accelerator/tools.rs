@@ -102,7 +102,9 @@ impl Accelerator {
                 Some(s) => s
                     .masters
                     .iter()
-                    .map(|v| bytes(v.as_tensor()))
+                    .zip(&s.aliased)
+                    .filter(|(_, aliased)| !**aliased)
+                    .map(|(v, _)| bytes(v.as_tensor()))
                     .sum::<usize>(),
                 None => m
                     .compute

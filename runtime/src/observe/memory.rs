@@ -9,8 +9,9 @@ use crate::{Error, Result};
 pub struct HeldBytes {
     /// The weights the models compute with (low precision under bf16/fp16).
     pub weights: usize,
-    /// f32 master weights kept apart from them (under bf16/fp16, or under sharding: this
-    /// process's slice).
+    /// f32 master weights kept apart from them: under bf16/fp16 (under sharding, this
+    /// process's slice); under f32 with sharding, only the parts of variables that a slice
+    /// boundary cuts (a whole f32 variable is its own master).
     pub masters: usize,
     /// Gradients held between backward calls: the window's running sums and the persistent
     /// sync buffers.

@@ -118,6 +118,10 @@ pub(crate) struct OptimizerSlot<O> {
     pub(crate) opt: Shared<O>,
     // names[i] is the name of opt.vars()[i]
     pub(crate) names: Vec<String>,
+    /// Whether the state is saved flat (a sharded model's pieces are flat runs, though a piece
+    /// that is a whole variable is updated in the variable's shape): flattened when saved,
+    /// given the variable's shape back when loaded.
+    pub(crate) flat: bool,
 }
 
 /// A prepared optimizer as the Accelerator keeps it: its state for checkpoints, and how many
@@ -139,6 +143,7 @@ impl<O: StatefulOptimizer + Send> Stateful for OptimizerSlot<O> {
         let mut tensors = Vec::new();
         for (name, per_var) in self.names.iter().zip(state.tensors) {
             for (key, t) in per_var {
+                let t = if self.flat { t.flatten_all()? } else { t };
                 tensors.push((format!("{name}::{key}"), t));
             }
         }
@@ -151,6 +156,16 @@ impl<O: StatefulOptimizer + Send> Stateful for OptimizerSlot<O> {
     fn load_state_dict(&mut self, state: &StateDict) -> Result<()> {
         let mut per_var: Vec<Vec<(String, candle_core::Tensor)>> =
             vec![Vec::new(); self.names.len()];
+        let shapes: Vec<candle_core::Shape> = match self.flat {
+            true => self
+                .opt
+                .lock()
+                .vars()
+                .iter()
+                .map(|v| v.shape().clone())
+                .collect(),
+            false => Vec::new(),
+        };
         for (full, t) in &state.tensors {
             let (name, key) = full.split_once("::").ok_or_else(|| {
                 Error::Usage(format!(
@@ -162,7 +177,12 @@ impl<O: StatefulOptimizer + Send> Stateful for OptimizerSlot<O> {
                     "the saved optimizer state has variable `{name}`, which this optimizer does not update"
                 ))
             })?;
-            per_var[i].push((key.to_string(), t.clone()));
+            // A count that does not match is left for the optimizer to report.
+            let t = match shapes.get(i) {
+                Some(s) if s.elem_count() == t.elem_count() => t.reshape(s)?,
+                _ => t.clone(),
+            };
+            per_var[i].push((key.to_string(), t));
         }
         let state = super::OptimizerState {
             tensors: per_var,

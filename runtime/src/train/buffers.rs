@@ -83,9 +83,10 @@ impl ParamSet {
             match &self.shard {
                 Some(shard) => {
                     let flat = value.flatten_all()?.to_dtype(DType::F32)?;
-                    for (p, m) in shard.plan.pieces.iter().zip(&shard.masters) {
-                        if p.param == i {
-                            m.set(&flat.narrow(0, p.from, p.len)?)?;
+                    for (k, p) in shard.plan.pieces.iter().enumerate() {
+                        // A master that is the buffer itself holds its value already.
+                        if p.param == i && !shard.aliased[k] {
+                            shard.set_piece(k, &flat.narrow(0, p.from, p.len)?)?;
                         }
                     }
                 }
@@ -136,10 +137,10 @@ impl ParamSet {
             let mut moved = false;
             match &self.shard {
                 Some(shard) => {
-                    for (p, m) in shard.plan.pieces.iter().zip(&shard.masters) {
+                    for (k, p) in shard.plan.pieces.iter().enumerate() {
                         if p.param == i {
                             let dt = self.compute[i].dtype();
-                            let rounded = m.as_tensor().to_dtype(dt)?.to_dtype(DType::F32)?;
+                            let rounded = shard.flat(k)?.to_dtype(dt)?.to_dtype(DType::F32)?;
                             moved |= differ(&value.narrow(0, p.from, p.len)?, &rounded)?;
                         }
                     }

@@ -4,6 +4,11 @@
 //! one flat space of `N` elements, cut into one contiguous slice per process: process `r` owns
 //! elements `N·r/W .. N·(r+1)/W`. It keeps f32 master weights and optimizer state for its slice
 //! only, as *pieces* (the runs of each parameter inside the slice, a flat f32 variable each).
+//! A piece that is a whole f32 weight (all but the slice's first and last, usually) is no copy:
+//! its master is the model's variable itself, in the variable's shape, so f32 training holds
+//! the weights once (candle cannot make a variable that views part of another's memory, so
+//! the partial pieces at the slice's ends are copies). Code that reads a master flat goes
+//! through [`Sharded::flat`], and code that writes one through [`Sharded::set_piece`].
 //! At the end of an accumulation window the Accelerator's `backward`:
 //!
 //! 1. averages the gradients: whole, as in plain data parallelism (stage 1), or
@@ -87,8 +92,11 @@ pub(crate) type Stepper = Box<dyn FnMut(&GradStore) -> Result<()>>;
 pub(crate) struct Sharded {
     pub stage: Sharding,
     pub plan: Plan,
-    /// The f32 master of each piece, a flat variable of the piece's length.
+    /// The f32 master of each piece: a flat variable of the piece's length, or the model's
+    /// own variable when the piece is a whole f32 weight (`aliased`).
     pub masters: Vec<Var>,
+    /// Which masters are the model's variables themselves.
+    pub aliased: Vec<bool>,
     /// The prepared optimizer over `masters`, once there is one.
     pub stepper: Option<Stepper>,
 }
@@ -111,29 +119,58 @@ fn own_copy(t: &Tensor, device: &Device) -> Result<Var> {
 }
 
 impl Sharded {
-    /// This process's slice of `full` (each parameter's whole f32 value), as new masters.
-    pub fn new(stage: Sharding, plan: Plan, full: &[Tensor]) -> Result<Sharded> {
-        let masters = plan
-            .pieces
-            .iter()
-            .map(|p| {
+    /// This process's slice of `full` (each parameter's whole f32 value, which the model's
+    /// variables `compute` already hold), as masters: the variable itself for a piece that is
+    /// a whole f32 variable, a new flat copy otherwise.
+    pub fn new(stage: Sharding, plan: Plan, full: &[Tensor], compute: &[Var]) -> Result<Sharded> {
+        let mut masters = Vec::with_capacity(plan.pieces.len());
+        let mut aliased = Vec::with_capacity(plan.pieces.len());
+        for p in &plan.pieces {
+            let var = &compute[p.param];
+            let whole = p.from == 0 && p.len == plan.sizes[p.param];
+            if whole && var.dtype() == DType::F32 && var.is_contiguous() {
+                masters.push(var.clone());
+                aliased.push(true);
+            } else {
                 let t = &full[p.param];
-                own_copy(&t.flatten_all()?.narrow(0, p.from, p.len)?, t.device())
-            })
-            .collect::<Result<_>>()?;
+                masters.push(own_copy(
+                    &t.flatten_all()?.narrow(0, p.from, p.len)?,
+                    t.device(),
+                )?);
+                aliased.push(false);
+            }
+        }
         Ok(Sharded {
             stage,
             plan,
             masters,
+            aliased,
             stepper: None,
         })
     }
 
-    /// Takes the masters from the model's current weights again (after `load_model`).
+    /// Piece `k`'s master as a flat f32 tensor (a view: no copy).
+    pub fn flat(&self, k: usize) -> Result<Tensor> {
+        Ok(self.masters[k].as_tensor().flatten_all()?)
+    }
+
+    /// Sets piece `k`'s master to `flat` (its elements in flat order, not read from the
+    /// master itself).
+    pub fn set_piece(&self, k: usize, flat: &Tensor) -> Result<()> {
+        let m = &self.masters[k];
+        m.set(&flat.to_dtype(DType::F32)?.reshape(m.shape())?)?;
+        Ok(())
+    }
+
+    /// Takes the masters from the model's weights `compute` (after `load_model`); a master
+    /// that is the weight itself already holds it.
     pub fn reslice(&self, compute: &[Var]) -> Result<()> {
-        for (p, m) in self.plan.pieces.iter().zip(&self.masters) {
+        for (k, p) in self.plan.pieces.iter().enumerate() {
+            if self.aliased[k] && compute[p.param].as_tensor().id() == self.masters[k].id() {
+                continue;
+            }
             let t = compute[p.param].as_tensor().flatten_all()?;
-            m.set(&t.narrow(0, p.from, p.len)?.to_dtype(DType::F32)?)?;
+            self.set_piece(k, &t.narrow(0, p.from, p.len)?)?;
         }
         Ok(())
     }
@@ -142,8 +179,8 @@ impl Sharded {
     /// collective: every process calls it).
     pub(crate) fn gathered(&self, comm: &dyn Communicator, compute: &[Var]) -> Result<Vec<Tensor>> {
         let mut mine = Vec::with_capacity(self.plan.counts[comm.rank()] * 4);
-        for m in &self.masters {
-            for x in m.as_tensor().to_vec1::<f32>()? {
+        for k in 0..self.masters.len() {
+            for x in self.flat(k)?.to_vec1::<f32>()? {
                 mine.extend_from_slice(&x.to_le_bytes());
             }
         }
@@ -193,7 +230,7 @@ impl Sharded {
                 if want_norm {
                     partial.squares += g.sqr()?.sum_all()?.to_scalar::<f32>()? as f64;
                 }
-                store.insert(m.as_tensor(), g);
+                store.insert(m.as_tensor(), g.reshape(m.shape())?);
             }
         }
         Ok(partial)

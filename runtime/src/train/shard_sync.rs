@@ -295,8 +295,8 @@ impl Sharded {
                 Some(_) => sums[p.param]
                     .take()
                     .expect("a whole piece keeps its sum")
-                    .reshape(p.len)?,
-                None => Tensor::from_vec(run, p.len, m.device())?,
+                    .reshape(m.shape())?,
+                None => Tensor::from_vec(run, m.shape(), m.device())?,
             };
             store.insert(m.as_tensor(), g);
         }
@@ -338,13 +338,13 @@ impl Sharded {
         while a < total {
             let b = (a + step).min(total);
             let mut len = 0;
-            for (p, m) in plan.pieces.iter().zip(&self.masters) {
+            for (k, p) in plan.pieces.iter().enumerate() {
                 let start = plan.offsets[p.param] + p.from;
                 let (from, to) = (start.max(a), (start + p.len).min(b));
                 if from < to {
                     let dst = &mut mine[len..len + (to - from) * eb];
                     write_bytes(
-                        &m.as_tensor().narrow(0, from - start, to - from)?,
+                        &self.flat(k)?.narrow(0, from - start, to - from)?,
                         wire,
                         dst,
                     )?;
