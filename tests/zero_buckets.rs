@@ -173,10 +173,10 @@ fn f32_sharding_holds_each_weight_once() {
         let params = plain[r]["params"].as_f64().unwrap();
         let held = |rep: &serde_json::Value| rep["held"].as_f64().unwrap();
         let saved = held(&plain[r]) - held(&sharded[r]);
-        // Less a copy of the one matrix the two slices cut (at most 2.9 MB here, 0.5 B a
-        // parameter), which cannot share the weight's memory.
+        // The matrix the two slices cut is updated in place too: no copy of either part of it
+        // (a copy of rank 0's part alone would be 2.9 MB, 0.5 B a parameter).
         assert!(
-            saved > 3.0 * params,
+            saved > 3.6 * params,
             "rank {r}: stage 2 holds {:.1} MB, unsharded {:.1} MB: {:.1} MB less, expected \
              about {:.1} MB less",
             held(&sharded[r]) / 1e6,

@@ -298,6 +298,7 @@ impl Accelerator {
                 ));
             };
             step(&store)?;
+            shard.forget_runs(&mut store);
             shard.gather_into(
                 &self.comm,
                 self.sync.bucket_bytes(),

@@ -284,7 +284,15 @@ impl Accelerator {
                     .into(),
             ));
         }
-        opt.rebind_fresh(shard.masters.clone())?;
+        // ivme's optimizers update the pieces a slice boundary cuts in the weights themselves;
+        // another gets copies of those pieces.
+        let runs = shard.runs.clone();
+        let took_runs = runs.iter().any(Option::is_some)
+            && crate::optim::runs::rebind(&mut opt, shard.masters.clone(), runs)?;
+        if !took_runs {
+            shard.copy_runs()?;
+            opt.rebind_fresh(shard.masters.clone())?;
+        }
         let names = shard
             .plan
             .pieces

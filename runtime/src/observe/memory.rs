@@ -10,8 +10,8 @@ pub struct HeldBytes {
     /// The weights the models compute with (low precision under bf16/fp16).
     pub weights: usize,
     /// f32 master weights kept apart from them: under bf16/fp16 (under sharding, this
-    /// process's slice); under f32 with sharding, only the parts of variables that a slice
-    /// boundary cuts (a whole f32 variable is its own master).
+    /// process's slice). f32 weights are their own masters (under sharding, with an optimizer
+    /// other than ivme's, the parts of variables that a slice boundary cuts are copied).
     pub masters: usize,
     /// Gradients held between backward calls: the window's running sums and the persistent
     /// sync buffers.

@@ -1,6 +1,7 @@
 //! AdamW with decoupled weight decay, computing candle-nn's numbers with state that can be
 //! saved, restored and re-bound to f32 master weights.
 
+use super::runs::{self, Run};
 use super::state_io::{check_count, check_replacement, find_tensor, read_f64, read_u64, to_f32};
 use super::{Linked, OptimizerLink, OptimizerState, StatefulOptimizer};
 use crate::error::{Error, Result};
@@ -24,6 +25,8 @@ use std::sync::Arc;
 #[derive(Debug)]
 pub struct AdamW {
     vars: Vec<Var>,
+    /// The part of each variable it updates: all of it, or (sharded) a run (`runs.rs`).
+    runs: Vec<Option<Run>>,
     /// `(exp_avg, exp_avg_sq)` for the variable at the same position in `vars`, in f32.
     moments: Vec<(Var, Var)>,
     params: ParamsAdamW,
@@ -47,6 +50,7 @@ impl Optimizer for AdamW {
             .collect::<candle_core::Result<Vec<_>>>()?;
         let link = OptimizerLink::new(params.lr);
         Ok(AdamW {
+            runs: vec![None; vars.len()],
             vars,
             moments,
             params,
@@ -68,11 +72,12 @@ impl Optimizer for AdamW {
         let decay = 1f64 - lr * p.weight_decay;
         let fused =
             super::fused::AdamWStep::new(p.beta1, p.beta2, scale_m, scale_v, p.eps, decay, lr);
-        for (var, (m, v)) in self.vars.iter().zip(&self.moments) {
+        for ((var, (m, v)), run) in self.vars.iter().zip(&self.moments).zip(&self.runs) {
             let Some(grad) = grads.get(var) else {
                 continue;
             };
-            let (theta_t, m_t, v_t) = (var.as_tensor(), m.as_tensor(), v.as_tensor());
+            let theta_t = &runs::target(var, *run)?;
+            let (m_t, v_t) = (m.as_tensor(), v.as_tensor());
             if super::fused::enabled()
                 && [theta_t, m_t, v_t, grad]
                     .iter()
@@ -83,7 +88,7 @@ impl Optimizer for AdamW {
                 super::fused::adamw(theta_t, m_t, v_t, grad, fused)?;
                 continue;
             }
-            let theta = to_f32(var.as_tensor())?;
+            let theta = to_f32(theta_t)?;
             let g = to_f32(grad)?;
             let next_m = ((m.as_tensor() * p.beta1)? + (&g * (1.0 - p.beta1))?)?;
             let next_v = ((v.as_tensor() * p.beta2)? + (g.sqr()? * (1.0 - p.beta2))?)?;
@@ -93,7 +98,7 @@ impl Optimizer for AdamW {
             let next_theta = ((theta * decay)? - (update * lr)?)?;
             m.set(&next_m)?;
             v.set(&next_v)?;
-            var.set(&next_theta.to_dtype(var.dtype())?)?;
+            runs::write(var, *run, &next_theta.to_dtype(var.dtype())?)?;
         }
         Ok(())
     }
@@ -120,6 +125,30 @@ impl AdamW {
     pub fn step_count(&self) -> u64 {
         self.step_t
     }
+
+    /// [`rebind_fresh`](StatefulOptimizer::rebind_fresh) where variable `i` may be updated
+    /// only on `runs[i]` (`runs.rs`).
+    pub(crate) fn rebind_runs(&mut self, vars: Vec<Var>, runs: Vec<Option<Run>>) -> Result<()> {
+        if self.step_t != 0 {
+            return Err(Error::Usage(
+                "AdamW: shard an optimizer before its first step (prepare it before training)"
+                    .into(),
+            ));
+        }
+        self.moments = vars
+            .iter()
+            .zip(&runs)
+            .map(|(v, r)| {
+                let shape = runs::shape(v, *r);
+                let m = Var::zeros(shape.clone(), DType::F32, v.device())?;
+                let s = Var::zeros(shape, DType::F32, v.device())?;
+                Ok((m, s))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        self.vars = vars;
+        self.runs = runs;
+        Ok(())
+    }
 }
 
 impl Linked for AdamW {
@@ -140,22 +169,8 @@ impl StatefulOptimizer for AdamW {
     }
 
     fn rebind_fresh(&mut self, vars: Vec<Var>) -> Result<()> {
-        if self.step_t != 0 {
-            return Err(crate::error::Error::Usage(
-                "AdamW: shard an optimizer before its first step (prepare it before training)"
-                    .into(),
-            ));
-        }
-        self.moments = vars
-            .iter()
-            .map(|v| {
-                let m = Var::zeros(v.shape(), DType::F32, v.device())?;
-                let s = Var::zeros(v.shape(), DType::F32, v.device())?;
-                Ok((m, s))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        self.vars = vars;
-        Ok(())
+        let whole = vec![None; vars.len()];
+        self.rebind_runs(vars, whole)
     }
 
     fn state_dict(&self) -> Result<OptimizerState> {
@@ -197,8 +212,9 @@ impl StatefulOptimizer for AdamW {
         // optimizer as it was.
         let mut restored = Vec::with_capacity(self.vars.len());
         for (i, (var, entry)) in self.vars.iter().zip(&state.tensors).enumerate() {
-            let m = find_tensor(entry, "exp_avg", i, var, "AdamW")?;
-            let v = find_tensor(entry, "exp_avg_sq", i, var, "AdamW")?;
+            let shape = runs::shape(var, self.runs[i]);
+            let m = find_tensor(entry, "exp_avg", i, &shape, var.device(), "AdamW")?;
+            let v = find_tensor(entry, "exp_avg_sq", i, &shape, var.device(), "AdamW")?;
             if entry.len() != 2 {
                 return Err(Error::Usage(format!(
                     "AdamW state for variable {i} has {} tensors, expected exactly `exp_avg` and \

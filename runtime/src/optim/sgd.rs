@@ -1,6 +1,7 @@
 //! Stochastic gradient descent with momentum, dampening, Nesterov and weight decay, with
 //! state that can be saved, restored and re-bound to f32 master weights.
 
+use super::runs::{self, Run};
 use super::state_io::{check_count, check_replacement, find_tensor, read_f64, read_u64, to_f32};
 use super::{Linked, OptimizerLink, OptimizerState, StatefulOptimizer};
 use crate::error::{Error, Result};
@@ -58,6 +59,8 @@ impl Default for ParamsSgd {
 #[derive(Debug)]
 pub struct Sgd {
     vars: Vec<Var>,
+    /// The part of each variable it updates: all of it, or (sharded) a run (`runs.rs`).
+    runs: Vec<Option<Run>>,
     /// The momentum buffer of the variable at the same position in `vars`, once it has one.
     buffers: Vec<Option<Var>>,
     params: ParamsSgd,
@@ -73,6 +76,7 @@ impl Optimizer for Sgd {
         let vars: Vec<Var> = vars.into_iter().filter(|v| v.dtype().is_float()).collect();
         let buffers = vec![None; vars.len()];
         Ok(Sgd {
+            runs: vec![None; vars.len()],
             vars,
             buffers,
             link: OptimizerLink::new(params.lr),
@@ -93,29 +97,30 @@ impl Optimizer for Sgd {
             nesterov: p.nesterov,
             lr: lr as f32,
         };
-        for (var, buffer) in self.vars.iter().zip(self.buffers.iter_mut()) {
+        for ((var, buffer), run) in self
+            .vars
+            .iter()
+            .zip(self.buffers.iter_mut())
+            .zip(&self.runs)
+        {
             let Some(grad) = grads.get(var) else {
                 continue;
             };
+            let target = &runs::target(var, *run)?;
             // One pass in place once the momentum buffer exists (or without momentum); the
             // same numbers as the ops below.
             let buf = buffer.as_ref().map(|b| b.as_tensor());
             if super::fused::enabled()
                 && (p.momentum == 0.0 || buf.is_some())
-                && super::fused::fits(var.as_tensor())
+                && super::fused::fits(target)
                 && super::fused::fits(grad)
                 && buf.is_none_or(super::fused::fits)
-                && grad.shape() == var.shape()
+                && grad.shape() == target.shape()
             {
-                super::fused::sgd(
-                    var.as_tensor(),
-                    buf.filter(|_| p.momentum != 0.0),
-                    grad,
-                    fused,
-                )?;
+                super::fused::sgd(target, buf.filter(|_| p.momentum != 0.0), grad, fused)?;
                 continue;
             }
-            let theta = to_f32(var.as_tensor())?;
+            let theta = to_f32(target)?;
             let mut g = to_f32(grad)?;
             if p.weight_decay != 0.0 {
                 g = (g + (&theta * p.weight_decay)?)?;
@@ -142,7 +147,7 @@ impl Optimizer for Sgd {
                 };
             }
             let next_theta = theta.sub(&(g * lr)?)?;
-            var.set(&next_theta.to_dtype(var.dtype())?)?;
+            runs::write(var, *run, &next_theta.to_dtype(var.dtype())?)?;
         }
         Ok(())
     }
@@ -169,6 +174,20 @@ impl Sgd {
     pub fn step_count(&self) -> u64 {
         self.step_t
     }
+
+    /// [`rebind_fresh`](StatefulOptimizer::rebind_fresh) where variable `i` may be updated
+    /// only on `runs[i]` (`runs.rs`).
+    pub(crate) fn rebind_runs(&mut self, vars: Vec<Var>, runs: Vec<Option<Run>>) -> Result<()> {
+        if self.step_t != 0 {
+            return Err(Error::Usage(
+                "Sgd: shard an optimizer before its first step (prepare it before training)".into(),
+            ));
+        }
+        self.buffers = vec![None; vars.len()];
+        self.vars = vars;
+        self.runs = runs;
+        Ok(())
+    }
 }
 
 impl Linked for Sgd {
@@ -189,14 +208,8 @@ impl StatefulOptimizer for Sgd {
     }
 
     fn rebind_fresh(&mut self, vars: Vec<Var>) -> Result<()> {
-        if self.step_t != 0 {
-            return Err(crate::error::Error::Usage(
-                "Sgd: shard an optimizer before its first step (prepare it before training)".into(),
-            ));
-        }
-        self.buffers = vec![None; vars.len()];
-        self.vars = vars;
-        Ok(())
+        let whole = vec![None; vars.len()];
+        self.rebind_runs(vars, whole)
     }
 
     fn state_dict(&self) -> Result<OptimizerState> {
@@ -244,7 +257,11 @@ impl StatefulOptimizer for Sgd {
         for (i, (var, entry)) in self.vars.iter().zip(&state.tensors).enumerate() {
             match entry.len() {
                 0 => restored.push(None),
-                1 => restored.push(Some(find_tensor(entry, "momentum_buffer", i, var, "Sgd")?)),
+                1 => {
+                    let shape = runs::shape(var, self.runs[i]);
+                    let t = find_tensor(entry, "momentum_buffer", i, &shape, var.device(), "Sgd")?;
+                    restored.push(Some(t))
+                }
                 n => {
                     return Err(Error::Usage(format!(
                         "Sgd state for variable {i} has {n} tensors, expected at most one \

@@ -3,7 +3,7 @@
 
 use super::OptimizerState;
 use crate::error::{Error, Result};
-use candle_core::{DType, Tensor, Var};
+use candle_core::{DType, Device, Shape, Tensor, Var};
 
 /// Widens to f32 for the optimizer maths; f32 tensors pass through untouched.
 pub(super) fn to_f32(t: &Tensor) -> candle_core::Result<Tensor> {
@@ -58,13 +58,14 @@ pub(super) fn check_count(state: &OptimizerState, n: usize, who: &str) -> Result
     Ok(())
 }
 
-/// Finds the state tensor `name` of variable `i`, checks its shape and brings it to f32 on
-/// the variable's device.
+/// Finds the state tensor `name` of variable `i`, checks it has the `shape` the optimizer keeps
+/// for it (the variable's, or its run's) and brings it to f32 on `device`.
 pub(super) fn find_tensor(
     entry: &[(String, Tensor)],
     name: &str,
     i: usize,
-    var: &Var,
+    shape: &Shape,
+    device: &Device,
     who: &str,
 ) -> Result<Tensor> {
     let Some((_, t)) = entry.iter().find(|(n, _)| n == name) else {
@@ -73,15 +74,15 @@ pub(super) fn find_tensor(
              kind of optimizer"
         )));
     };
-    if t.shape() != var.shape() {
+    if t.shape() != shape {
         return Err(Error::Usage(format!(
             "{who} state `{name}` for variable {i} has shape {:?} but the variable has shape \
              {:?}: load a state saved from the same model, with variables in the same order",
             t.dims(),
-            var.dims()
+            shape.dims()
         )));
     }
-    Ok(t.to_device(var.device())?.to_dtype(DType::F32)?)
+    Ok(t.to_device(device)?.to_dtype(DType::F32)?)
 }
 
 /// Reads a required number from saved scalars.

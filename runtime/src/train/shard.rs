@@ -4,11 +4,12 @@
 //! one flat space of `N` elements, cut into one contiguous slice per process: process `r` owns
 //! elements `N·r/W .. N·(r+1)/W`. It keeps f32 master weights and optimizer state for its slice
 //! only, as *pieces* (the runs of each parameter inside the slice, a flat f32 variable each).
-//! A piece that is a whole f32 weight (all but the slice's first and last, usually) is no copy:
-//! its master is the model's variable itself, in the variable's shape, so f32 training holds
-//! the weights once (candle cannot make a variable that views part of another's memory, so
-//! the partial pieces at the slice's ends are copies). Code that reads a master flat goes
-//! through [`Sharded::flat`], and code that writes one through [`Sharded::set_piece`].
+//! Under f32 no piece is a copy: its master is the model's variable itself, which the optimizer
+//! updates whole (a piece that is a whole variable, in the variable's shape) or on the piece's
+//! run of its flat elements (`optim/runs.rs`; a piece the slice's first or last boundary cuts),
+//! so f32 training holds the weights once. Only an optimizer other than ivme's AdamW and Sgd
+//! gets flat copies of the cut pieces. Code that reads a master flat goes through
+//! [`Sharded::flat`], and code that writes one through [`Sharded::set_piece`].
 //! At the end of an accumulation window the Accelerator's `backward`:
 //!
 //! 1. averages the gradients: whole, as in plain data parallelism (stage 1), or
@@ -23,9 +24,10 @@
 
 use crate::comm::Communicator;
 use crate::error::Result;
+use crate::optim::runs::Run;
 use crate::setup::config::Sharding;
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{DType, Device, Shape, Tensor, Var};
 
 /// A run of one parameter's elements inside this process's slice.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -92,11 +94,13 @@ pub(crate) type Stepper = Box<dyn FnMut(&GradStore) -> Result<()>>;
 pub(crate) struct Sharded {
     pub stage: Sharding,
     pub plan: Plan,
-    /// The f32 master of each piece: a flat variable of the piece's length, or the model's
-    /// own variable when the piece is a whole f32 weight (`aliased`).
+    /// The f32 master of each piece: the model's own variable when it is f32 (`aliased`),
+    /// a flat variable of the piece's length otherwise.
     pub masters: Vec<Var>,
     /// Which masters are the model's variables themselves.
     pub aliased: Vec<bool>,
+    /// For a master that is a variable the piece covers only in part: the piece's run.
+    pub runs: Vec<Option<Run>>,
     /// The prepared optimizer over `masters`, once there is one.
     pub stepper: Option<Stepper>,
 }
@@ -120,17 +124,25 @@ fn own_copy(t: &Tensor, device: &Device) -> Result<Var> {
 
 impl Sharded {
     /// This process's slice of `full` (each parameter's whole f32 value, which the model's
-    /// variables `compute` already hold), as masters: the variable itself for a piece that is
-    /// a whole f32 variable, a new flat copy otherwise.
+    /// variables `compute` already hold), as masters: the variable itself when it is f32
+    /// (with the piece's run when the piece does not cover it), a new flat copy otherwise.
     pub fn new(stage: Sharding, plan: Plan, full: &[Tensor], compute: &[Var]) -> Result<Sharded> {
-        let mut masters = Vec::with_capacity(plan.pieces.len());
-        let mut aliased = Vec::with_capacity(plan.pieces.len());
+        let n = plan.pieces.len();
+        let (mut masters, mut aliased, mut runs) = (
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+        );
         for p in &plan.pieces {
             let var = &compute[p.param];
             let whole = p.from == 0 && p.len == plan.sizes[p.param];
-            if whole && var.dtype() == DType::F32 && var.is_contiguous() {
+            if var.dtype() == DType::F32 && var.is_contiguous() {
                 masters.push(var.clone());
                 aliased.push(true);
+                runs.push((!whole).then_some(Run {
+                    from: p.from,
+                    len: p.len,
+                }));
             } else {
                 let t = &full[p.param];
                 masters.push(own_copy(
@@ -138,6 +150,7 @@ impl Sharded {
                     t.device(),
                 )?);
                 aliased.push(false);
+                runs.push(None);
             }
         }
         Ok(Sharded {
@@ -145,21 +158,65 @@ impl Sharded {
             plan,
             masters,
             aliased,
+            runs,
             stepper: None,
         })
     }
 
     /// Piece `k`'s master as a flat f32 tensor (a view: no copy).
     pub fn flat(&self, k: usize) -> Result<Tensor> {
-        Ok(self.masters[k].as_tensor().flatten_all()?)
+        let flat = self.masters[k].as_tensor().flatten_all()?;
+        Ok(match self.runs[k] {
+            Some(r) => flat.narrow(0, r.from, r.len)?,
+            None => flat,
+        })
+    }
+
+    /// The shape piece `k`'s gradient (and optimizer state) has: its master's, or its run's.
+    pub fn piece_shape(&self, k: usize) -> Shape {
+        match self.runs[k] {
+            Some(r) => Shape::from(r.len),
+            None => self.masters[k].shape().clone(),
+        }
     }
 
     /// Sets piece `k`'s master to `flat` (its elements in flat order, not read from the
     /// master itself).
     pub fn set_piece(&self, k: usize, flat: &Tensor) -> Result<()> {
-        let m = &self.masters[k];
-        m.set(&flat.to_dtype(DType::F32)?.reshape(m.shape())?)?;
+        let (m, flat) = (&self.masters[k], flat.to_dtype(DType::F32)?);
+        match self.runs[k] {
+            Some(r) => m
+                .as_tensor()
+                .flatten_all()?
+                .slice_set(&flat.contiguous()?, 0, r.from)?,
+            None => m.set(&flat.reshape(m.shape())?)?,
+        }
         Ok(())
+    }
+
+    /// Gives every piece that is a run of a variable a flat copy of its own as its master,
+    /// for an optimizer that cannot update runs (see `optim::runs::rebind`).
+    pub fn copy_runs(&mut self) -> Result<()> {
+        for k in 0..self.masters.len() {
+            if self.runs[k].is_some() {
+                let flat = self.flat(k)?;
+                self.masters[k] = own_copy(&flat, flat.device())?;
+                self.aliased[k] = false;
+                self.runs[k] = None;
+            }
+        }
+        Ok(())
+    }
+
+    /// Drops from `store` the gradients of pieces that are runs, once stepped: they are keyed
+    /// by the model's variable but hold only the run, which a caller reading the store
+    /// would take for the variable's whole gradient.
+    pub fn forget_runs(&self, store: &mut GradStore) {
+        for (m, r) in self.masters.iter().zip(&self.runs) {
+            if r.is_some() {
+                store.remove(m.as_tensor());
+            }
+        }
     }
 
     /// Takes the masters from the model's weights `compute` (after `load_model`); a master
@@ -224,13 +281,13 @@ impl Sharded {
             overflow: false,
             squares: 0.0,
         };
-        for (p, m) in self.plan.pieces.iter().zip(&self.masters) {
+        for (k, (p, m)) in self.plan.pieces.iter().zip(&self.masters).enumerate() {
             if let Some(g) = full.get(master[p.param].as_tensor()) {
                 let g = g.flatten_all()?.narrow(0, p.from, p.len)?;
                 if want_norm {
                     partial.squares += g.sqr()?.sum_all()?.to_scalar::<f32>()? as f64;
                 }
-                store.insert(m.as_tensor(), g.reshape(m.shape())?);
+                store.insert(m.as_tensor(), g.reshape(self.piece_shape(k))?);
             }
         }
         Ok(partial)
@@ -295,6 +352,49 @@ mod tests {
         // More processes than elements: some slices are empty.
         assert!(Plan::new(&[1], 2, 0).pieces.is_empty());
         assert_eq!(Plan::new(&[1], 2, 1).pieces.len(), 1);
+    }
+
+    #[test]
+    fn f32_pieces_are_the_variables_themselves_or_copies_when_asked() -> Result<()> {
+        let dev = Device::Cpu;
+        let w = Var::new(&[[1f32, 2., 3.], [4., 5., 6.]], &dev)?;
+        let b = Var::new(&[7f32, 8.], &dev)?;
+        let compute = vec![w.clone(), b.clone()];
+        let full: Vec<Tensor> = compute.iter().map(|v| v.as_tensor().clone()).collect();
+        let flat = |v: &Var| v.as_tensor().flatten_all()?.to_vec1::<f32>();
+        // 8 elements over 2 ranks: rank 1 holds w's elements 4..6 and all of b.
+        let plan = Plan::new(&[6, 2], 2, 1);
+        let mut s = Sharded::new(Sharding::Gradients, plan, &full, &compute)?;
+        assert_eq!(s.runs, vec![Some(Run { from: 4, len: 2 }), None]);
+        assert_eq!(s.aliased, vec![true, true]);
+        assert_eq!(s.masters[0].id(), w.id());
+        assert_eq!(s.masters[1].id(), b.id());
+        assert_eq!(s.flat(0)?.to_vec1::<f32>()?, [5., 6.]);
+        assert_eq!(s.piece_shape(0).dims(), [2]);
+        assert_eq!(s.piece_shape(1).dims(), [2]);
+        // Writing the run writes the weight, and nothing else of it.
+        s.set_piece(0, &Tensor::new(&[50f32, 60.], &dev)?)?;
+        assert_eq!(flat(&w)?, [1., 2., 3., 4., 50., 60.]);
+        // A stepped run's gradient leaves the store handed back; a whole piece's stays.
+        let mut store = GradStore::default();
+        store.insert(w.as_tensor(), Tensor::new(&[0.5f32, 0.5], &dev)?);
+        store.insert(b.as_tensor(), Tensor::new(&[0.5f32, 0.5], &dev)?);
+        s.forget_runs(&mut store);
+        assert!(store.get(w.as_tensor()).is_none());
+        assert!(store.get(b.as_tensor()).is_some());
+        // For another optimizer the run becomes a copy, apart from the weight.
+        s.copy_runs()?;
+        assert_eq!(s.runs, vec![None, None]);
+        assert_eq!(s.aliased, vec![false, true]);
+        assert_ne!(s.masters[0].id(), w.id());
+        assert_eq!(s.flat(0)?.to_vec1::<f32>()?, [50., 60.]);
+        s.set_piece(0, &Tensor::new(&[0f32, 0.], &dev)?)?;
+        assert_eq!(flat(&w)?, [1., 2., 3., 4., 50., 60.]);
+        // Other dtypes always get copies.
+        let h = Var::from_tensor(&w.as_tensor().to_dtype(DType::BF16)?)?;
+        let s = Sharded::new(Sharding::Gradients, Plan::new(&[6], 1, 0), &full[..1], &[h])?;
+        assert_eq!((s.aliased[0], s.runs[0]), (false, None));
+        Ok(())
     }
 
     /// One process: sharding is the identity, and training matches the unsharded run bit for

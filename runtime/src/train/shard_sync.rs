@@ -287,7 +287,7 @@ impl Sharded {
             }
             a = b;
         }
-        for ((p, m), run) in plan.pieces.iter().zip(&self.masters).zip(runs) {
+        for (k, ((p, m), run)) in plan.pieces.iter().zip(&self.masters).zip(runs).enumerate() {
             if !present[p.param] {
                 continue;
             }
@@ -295,8 +295,8 @@ impl Sharded {
                 Some(_) => sums[p.param]
                     .take()
                     .expect("a whole piece keeps its sum")
-                    .reshape(m.shape())?,
-                None => Tensor::from_vec(run, m.shape(), m.device())?,
+                    .reshape(self.piece_shape(k))?,
+                None => Tensor::from_vec(run, self.piece_shape(k), m.device())?,
             };
             store.insert(m.as_tensor(), g);
         }
