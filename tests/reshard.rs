@@ -155,7 +155,11 @@ fn logical_state(dir: &Path) -> BTreeMap<String, Vec<f32>> {
                 };
                 let (name, from) = match var.strip_suffix(']').and_then(|v| v.rsplit_once('[')) {
                     Some((name, range)) => {
-                        let from = range.split_once("..").unwrap().0.parse().unwrap();
+                        let (from, to) = range.split_once("..").unwrap();
+                        let (from, to): (usize, usize) =
+                            (from.parse().unwrap(), to.parse().unwrap());
+                        // A run is saved flat, whether or not it is a whole variable.
+                        assert_eq!(t.dims(), [to - from], "{}: `{saved}`", path.display());
                         (name.to_string(), from)
                     }
                     None => (var.clone(), 0),
