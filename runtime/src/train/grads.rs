@@ -253,7 +253,7 @@ impl ParamSet {
     /// pieces into `store` (keyed by the piece masters), and this process's share of the
     /// overflow check and (with `want_norm`, for clipping) of the squared norm. Stage 1
     /// averages whole gradients as [`take_synced`](Self::take_synced) does, then slices them;
-    /// stage 2 reduce-scatters the window sums (shard.rs).
+    /// stage 2 reduce-scatters the window sums (shard.rs) when there is more than one process.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn take_sharded(
         &mut self,
@@ -266,7 +266,9 @@ impl ParamSet {
         store: &mut GradStore,
     ) -> Result<Partial> {
         let stage = self.shard.as_ref().map(|s| s.stage);
-        if stage == Some(Sharding::Optimizer) {
+        // On one process the slice is the whole model and stage 2's reduce-scatter would only
+        // copy every gradient twice: both stages take the whole mean in place.
+        if stage == Some(Sharding::Optimizer) || comm.world_size() == 1 {
             let mut full = GradStore::default();
             let overflow = self.take_synced(
                 comm,

@@ -308,7 +308,9 @@ impl Sharded {
     /// Weights in bf16/f16 travel at their own size, half of f32's: each process rounds its own
     /// slice, which gives the values the f32 gather would have rounded to. Variables flagged in
     /// `skip` (a model's buffers, which hold their own value) keep it, and their dtype does not
-    /// count.
+    /// count. Where this process's masters are the weights themselves (f32), its own slice is
+    /// in place already and only the other processes' parts are written; on one process with
+    /// every master in place there is nothing to do.
     pub(crate) fn gather_into(
         &self,
         comm: &dyn Communicator,
@@ -329,6 +331,19 @@ impl Sharded {
         let total: usize = plan.sizes.iter().sum();
         let bounds = bounds(&plan.counts);
         let (lo, hi) = (bounds[comm.rank()], bounds[comm.rank() + 1]);
+        // The variables whose part in this slice the optimizer updated in place.
+        let mut in_place = vec![false; compute.len()];
+        for (p, &aliased) in plan.pieces.iter().zip(&self.aliased) {
+            in_place[p.param] = aliased && WriteAt::fits(&compute[p.param], wire);
+        }
+        if comm.world_size() == 1
+            && plan
+                .pieces
+                .iter()
+                .all(|p| in_place[p.param] || skipped(p.param))
+        {
+            return Ok(());
+        }
         let step = (bucket_bytes / eb).max(1);
         let mut whole = vec![0u8; step.min(total) * eb];
         let mut mine = vec![0u8; step.min(hi - lo) * eb];
@@ -362,11 +377,18 @@ impl Sharded {
                 let (var, off) = (&compute[i], plan.offsets[i]);
                 let bytes = &got[(from - a) * eb..(to - a) * eb];
                 if WriteAt::fits(var, wire) {
-                    var.as_tensor().inplace_op1(&WriteAt {
-                        at: from - off,
-                        bytes,
-                        wire,
-                    })?;
+                    // Around this slice when the variable's part in it is in place already.
+                    let parts = match in_place[i] {
+                        true => [(from, to.min(lo)), (from.max(hi), to)],
+                        false => [(from, to), (to, to)],
+                    };
+                    for (x, y) in parts.into_iter().filter(|(x, y)| x < y) {
+                        var.as_tensor().inplace_op1(&WriteAt {
+                            at: x - off,
+                            bytes: &got[(x - a) * eb..(y - a) * eb],
+                            wire,
+                        })?;
+                    }
                     continue;
                 }
                 let buf = staged[i].get_or_insert_with(|| Vec::with_capacity(plan.sizes[i] * eb));
