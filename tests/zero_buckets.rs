@@ -186,3 +186,31 @@ fn f32_sharding_holds_each_weight_once() {
         );
     }
 }
+
+#[test]
+fn stage_2_stages_its_collectives_in_quarter_buckets() {
+    // Scale 8 on 2 ranks: 24.2 MB of f32 gradient, the largest matrix 4.1 MB, and the default
+    // 25 MiB bucket. The sync's four staging buffers (the reduce-scatter's send and receive,
+    // the all-gather's own part and result) take a quarter bucket each, 6.6 MB: the
+    // allocator keeps freed blocks of their size for the next step, so four whole buckets
+    // (here the whole 24.2 MB gradient in one send buffer) raised every later step's peak.
+    let (_, reports) = run(
+        2,
+        &[
+            "stage=gradients",
+            "scale=8",
+            "steps=2",
+            "batch=4",
+            "bucket=25",
+        ],
+        "zb-chunks",
+    );
+    for (r, rep) in reports.iter().enumerate() {
+        let largest = rep["largest"].as_f64().unwrap();
+        assert!(
+            largest < 8e6,
+            "rank {r}: a stage-2 step allocated a block of {:.1} MB",
+            largest / 1e6
+        );
+    }
+}

@@ -1,20 +1,49 @@
 //! A sharded run whose sync spans many buckets, for the multi-process tests: eight matrices of
 //! awkward widths (so buckets, rank slices and variables all cut each other), trained with AdamW
-//! on batches drawn from a fixed formula, bucket size 1 MB. Each rank writes its final weights
-//! to `out/rank{R}.safetensors` and, in `out/rank{R}.json`, the most its resident memory grew
-//! during one `backward` call (the optimizer step and the sync happen inside it under
-//! sharding) above what it held before the call, after the first step, and what it holds once
-//! training is over (the weights and the training state).
+//! on batches drawn from a fixed formula, bucket size 1 MB unless set. Each rank writes its
+//! final weights to `out/rank{R}.safetensors` and, in `out/rank{R}.json`, the most its resident
+//! memory grew during one `backward` call (the optimizer step and the sync happen inside it
+//! under sharding) above what it held before the call, after the first step, the largest block
+//! allocated during such a call, and what it holds once training is over (the weights and the
+//! training state).
 //!
 //! Arguments are `key=value`: `stage=no|optimizer|gradients scale=S steps=K batch=B
-//! precision=no|bf16 out=DIR`.
+//! precision=no|bf16 bucket=MB out=DIR`.
 
 use candle_core::{DType, Tensor};
 use candle_nn::{Init, Optimizer, VarMap};
 use ivme::optim::{AdamW, ParamsAdamW};
 use ivme::{Accelerator, Precision, Sharding};
+use std::alloc::{GlobalAlloc, Layout, System};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// The system allocator, noting the largest block asked for.
+struct Largest;
+
+static LARGEST: AtomicUsize = AtomicUsize::new(0);
+
+unsafe impl GlobalAlloc for Largest {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        LARGEST.fetch_max(layout.size(), Ordering::Relaxed);
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        LARGEST.fetch_max(layout.size(), Ordering::Relaxed);
+        unsafe { System.alloc_zeroed(layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        LARGEST.fetch_max(new_size, Ordering::Relaxed);
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        unsafe { System.dealloc(ptr, layout) }
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Largest = Largest;
 
 #[path = "../support/formula_model.rs"]
 mod formula_model;
@@ -50,11 +79,14 @@ fn main() -> ivme::Result<()> {
     let steps: usize = get("steps", "3").parse().expect("steps is a number");
     let batch: usize = get("batch", "4").parse().expect("batch is a number");
     let out = PathBuf::from(get("out", "."));
+    let bucket: usize = get("bucket", "1")
+        .parse()
+        .expect("bucket is a number of MB");
 
     let mut acc = Accelerator::builder()
         .sharding(stage)
         .precision(precision)
-        .bucket_size_mb(1)
+        .bucket_size_mb(bucket)
         .build()?;
     let varmap = VarMap::new();
     let vb = acc.var_builder(&varmap, DType::F32);
@@ -70,18 +102,20 @@ fn main() -> ivme::Result<()> {
     let world = acc.num_processes();
     let rank = acc.process_index();
     let dtype = acc.param_dtype(DType::F32);
-    let mut grew = 0u64;
+    let (mut grew, mut largest) = (0u64, 0usize);
     for step in 0..steps {
         let x = rows(step * batch * world + rank * batch, batch)?.to_dtype(dtype)?;
         let loss = loss(&x, &ws)?;
         acc.wait_for_everyone()?;
         let (before, _) = memory();
         reset_peak();
+        LARGEST.store(0, Ordering::Relaxed);
         let grads = acc.backward(&loss)?;
         opt.step(&grads)?;
         let (_, peak) = memory();
         if step > 0 {
             grew = grew.max(peak.saturating_sub(before));
+            largest = largest.max(LARGEST.load(Ordering::Relaxed));
         }
     }
     let (held, _) = memory();
@@ -95,7 +129,8 @@ fn main() -> ivme::Result<()> {
     std::fs::create_dir_all(&out).map_err(|e| ivme::Error::io("creating out", e))?;
     candle_core::safetensors::save(&weights, out.join(format!("rank{rank}.safetensors")))?;
     let params: usize = WIDTHS.iter().map(|w| INPUT * w * scale).sum();
-    let report = serde_json::json!({ "grew": grew, "held": held, "params": params });
+    let report =
+        serde_json::json!({ "grew": grew, "held": held, "largest": largest, "params": params });
     std::fs::write(out.join(format!("rank{rank}.json")), report.to_string())
         .map_err(|e| ivme::Error::io("writing the report", e))?;
     Ok(())

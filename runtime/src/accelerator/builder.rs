@@ -184,7 +184,8 @@ impl AcceleratorBuilder {
         self.seed = Some(seed);
         self
     }
-    /// The size of the buffers gradients are flattened into for averaging, in MiB.
+    /// The size of the buffers gradients are flattened into for averaging, in MiB (ZeRO stage
+    /// 2 stages its reduce-scatter and all-gather through buffers of a quarter of it).
     pub fn bucket_size_mb(mut self, mb: usize) -> Self {
         self.bucket_mb = Some(mb);
         self
