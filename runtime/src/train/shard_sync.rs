@@ -1,5 +1,5 @@
-//! Stage 2's collectives, a quarter bucket at a time: the reduce-scatter of the window's sums and the
-//! all-gather of the updated slices.
+//! Stage 2's collectives, a quarter bucket at a time: the reduce-scatter of the window's sums
+//! and the all-gather of the updated slices.
 //!
 //! The flat parameter space (shard.rs) is walked in chunks of a quarter of `bucket_bytes`
 //! (see [`chunk`]). Each chunk is one collective whose per-rank counts are the parts of the
@@ -7,8 +7,9 @@
 //! elements land exactly where one whole-space collective would put them. Two chunk-sized host
 //! buffers carry every chunk, and a window sum is dropped as soon as its last element is
 //! packed, so the sync never holds a second copy of the whole gradient (or, gathering, of the
-//! whole weights) on top of the one candle's backward made. Gathered weights are written straight into the
-//! variables' own CPU storage; elsewhere (a GPU) each variable is assembled and set once.
+//! whole weights) on top of the one candle's backward made. Gathered weights are written
+//! straight into the variables' own CPU storage; elsewhere (a GPU) each variable is assembled
+//! and set once.
 
 use crate::comm::Communicator;
 use crate::error::Result;
