@@ -7,8 +7,11 @@
 //! allocated during such a call, and what it holds once training is over (the weights and the
 //! training state).
 //!
+//! Under `overlap=1` the report also says how many optimizer parts stepped while a later bucket
+//! was still being averaged.
+//!
 //! Arguments are `key=value`: `stage=no|optimizer|gradients scale=S steps=K batch=B
-//! precision=no|bf16 bucket=MB out=DIR`.
+//! precision=no|bf16 bucket=MB overlap=0|1 out=DIR`.
 
 use candle_core::{DType, Tensor};
 use candle_nn::{Init, Optimizer, VarMap};
@@ -87,6 +90,7 @@ fn main() -> ivme::Result<()> {
         .sharding(stage)
         .precision(precision)
         .bucket_size_mb(bucket)
+        .overlap(get("overlap", "0") == "1")
         .build()?;
     let varmap = VarMap::new();
     let vb = acc.var_builder(&varmap, DType::F32);
@@ -129,8 +133,11 @@ fn main() -> ivme::Result<()> {
     std::fs::create_dir_all(&out).map_err(|e| ivme::Error::io("creating out", e))?;
     candle_core::safetensors::save(&weights, out.join(format!("rank{rank}.safetensors")))?;
     let params: usize = WIDTHS.iter().map(|w| INPUT * w * scale).sum();
-    let report =
-        serde_json::json!({ "grew": grew, "held": held, "largest": largest, "params": params });
+    let overlapped = acc.step_times().overlapped;
+    let report = serde_json::json!({
+        "grew": grew, "held": held, "largest": largest, "params": params,
+        "overlapped": overlapped,
+    });
     std::fs::write(out.join(format!("rank{rank}.json")), report.to_string())
         .map_err(|e| ivme::Error::io("writing the report", e))?;
     Ok(())

@@ -32,6 +32,7 @@ pub const KEYS: &[&str] = &[
     "buffers",
     "profile",
     "flops_per_sample",
+    "overlap",
 ];
 
 /// Names users bring from other training libraries, mapped to ours.
@@ -74,6 +75,7 @@ pub(crate) struct Config {
     pub buffers: Option<Setting<&'static str>>,
     pub profile: Option<Setting<String>>,
     pub flops_per_sample: Option<Setting<f64>>,
+    pub overlap: Option<Setting<bool>>,
     /// The key names as written, for errors about the attribute as a whole.
     pub keys: Vec<syn::Path>,
 }
@@ -135,6 +137,10 @@ impl Config {
         if let Some(s) = &self.debug_sync {
             let v = syn::LitBool::new(s.value, s.span);
             calls.extend(quote_spanned!(s.span=> .debug_sync(#v)));
+        }
+        if let Some(s) = &self.overlap {
+            let v = syn::LitBool::new(s.value, s.span);
+            calls.extend(quote_spanned!(s.span=> .overlap(#v)));
         }
         if let Some(s) = &self.async_checkpoints {
             let v = syn::LitBool::new(s.value, s.span);
@@ -257,6 +263,7 @@ pub(crate) fn parse(attr: TokenStream) -> Result<Config, syn::Error> {
                 seconds(&key, value).map(|v| config.collective_timeout = setting(v, span))
             }
             "debug_sync" => boolean(&key, value).map(|v| config.debug_sync = setting(v, span)),
+            "overlap" => boolean(&key, value).map(|v| config.overlap = setting(v, span)),
             "async_checkpoints" => {
                 boolean(&key, value).map(|v| config.async_checkpoints = setting(v, span))
             }
@@ -280,6 +287,15 @@ pub(crate) fn parse(attr: TokenStream) -> Result<Config, syn::Error> {
             limit.span,
             "`total_limit` keeps the newest checkpoints of a project: add `project_dir = \"..\"`",
         ));
+    }
+    if let (Some(o), Some(z)) = (&config.overlap, &config.zero) {
+        if o.value && z.value > 0 {
+            errors.push(syn::Error::new(
+                o.span,
+                "`overlap = true` steps a replicated model's optimizer inside `backward`; under \
+                 `zero` the sharded step already runs there: remove one of them",
+            ));
+        }
     }
     errors.finish()?;
     Ok(config)
@@ -314,6 +330,7 @@ fn missing_value(path: &syn::Path) -> syn::Error {
         "total_limit" => "total_limit = 3",
         "collective_timeout" => "collective_timeout = 600",
         "debug_sync" => "debug_sync = true",
+        "overlap" => "overlap = true",
         "async_checkpoints" => "async_checkpoints = true",
         "snapshot_every" => "snapshot_every = 10",
         "zero" => "zero = 2",
@@ -432,6 +449,18 @@ mod tests {
         );
         let errs = errors_of(quote!(profile_dir = "p"));
         assert!(errs[0].contains("did you mean `profile`?"), "{errs:?}");
+    }
+
+    #[test]
+    fn overlap_is_a_boolean_that_becomes_its_builder_call_and_refuses_zero() {
+        let c = parse(quote!(overlap = true, zero = 0)).unwrap();
+        let calls = c.builder_calls().to_string();
+        assert!(calls.contains(". overlap (true)"), "{calls}");
+        let errs = errors_of(quote!(overlap = true, zero = 2));
+        assert_eq!(errs.len(), 1, "{errs:?}");
+        assert!(errs[0].contains("under `zero`"), "{errs:?}");
+        let errs = errors_of(quote!(overlap = 1));
+        assert!(errs[0].contains("`overlap` takes `true` or `false`"), "{errs:?}");
     }
 
     #[test]

@@ -8,6 +8,7 @@ use crate::comm::Communicator;
 use crate::comm::ReduceOp;
 use crate::error::{Error, Result};
 use crate::observe::step_times::Phase;
+use crate::optim::parts::Part;
 use crate::setup::config::Sharding;
 use crate::train::grads::{Gradients, MicroStep};
 use crate::train::shard::scale_all;
@@ -174,29 +175,68 @@ impl Accelerator {
                 let (store, overflow, norm) = self.step_sharded(touched, position, inv_scale)?;
                 Ok(Gradients::synced(store, overflow).with_norm(norm))
             }
-            Strategy::Replicated => {
-                let mut out = GradStore::default();
-                let mut overflow = false;
-                // Only the models this loss reached end their window here: another model
-                // trained in the same micro-step (a second loss, a GAN's other half) ends it at
-                // its own backward.
-                for m in self.training.touched_mut(touched) {
-                    overflow |= m.take_synced(
-                        &self.comm,
-                        position,
-                        self.sync.bucket_bytes(),
-                        inv_scale,
-                        self.mixed.scales_loss(),
-                        &mut out,
-                    )?;
-                }
-                let mut grads = Gradients::synced(out, overflow);
-                if !overflow {
-                    self.clip(&mut grads)?;
-                }
-                Ok(grads)
-            }
+            Strategy::Replicated => self.end_replicated(touched, position, inv_scale),
         }
+    }
+
+    /// Ends a replicated window: every model's whole mean gradient, unscaled, checked and
+    /// clipped. Under `overlap` the models' optimizers step here too: bucket by bucket during
+    /// the sync where nothing needs every gradient first (no fp16 overflow check, no
+    /// clipping), after it otherwise.
+    fn end_replicated(
+        &mut self,
+        touched: &[bool],
+        position: u64,
+        inv_scale: f64,
+    ) -> Result<Gradients> {
+        let mut out = GradStore::default();
+        let mut overflow = false;
+        let pipeline = self.sync.overlap()
+            && !self.mixed.scales_loss()
+            && self.sync.clip_norm().is_none()
+            && self.sync.clip_value().is_none();
+        let bucket = self.sync.bucket_bytes();
+        let mut hidden = 0;
+        // Whether each touched model's optimizer still has to step (under overlap).
+        let mut to_step = Vec::new();
+        // Only the models this loss reached end their window here: another model trained in
+        // the same micro-step (a second loss, a GAN's other half) ends it at its own backward.
+        for m in self.training.touched_mut(touched) {
+            if pipeline && m.overlap.is_some() && m.can_overlap(&self.comm, bucket) {
+                let mut step = m.overlap.take().expect("checked");
+                let done = m.end_overlapped(&self.comm, position, bucket, &mut step, &mut out);
+                m.overlap = Some(step);
+                hidden += done?;
+                to_step.push(false);
+                continue;
+            }
+            overflow |= m.take_synced(
+                &self.comm,
+                position,
+                bucket,
+                inv_scale,
+                self.mixed.scales_loss(),
+                &mut out,
+            )?;
+            to_step.push(m.overlap.is_some());
+        }
+        self.training.window().clock().overlapped(hidden);
+        let mut grads = Gradients::synced(out, overflow);
+        if overflow {
+            return Ok(grads);
+        }
+        self.clip(&mut grads)?;
+        let mut stepped = false;
+        for m in self.training.touched_mut(touched) {
+            stepped |= m.overlap.is_some();
+        }
+        let models = self.training.touched_mut(touched);
+        for (m, _) in models.zip(to_step).filter(|(_, s)| *s) {
+            let step = m.overlap.as_mut().expect("checked");
+            step.step(Part::Open)?;
+            step.step(Part::Vars(grads.store()))?;
+        }
+        Ok(if stepped { grads.stepped() } else { grads })
     }
 
     /// Whether a one-micro-batch window's gradients are already final as candle computed
@@ -204,6 +244,7 @@ impl Accelerator {
     /// and nothing summed from earlier micro-batches.
     pub(crate) fn passes_through(&self) -> bool {
         self.sync.strategy() == Strategy::Replicated
+            && !self.sync.overlap()
             && self.comm.world_size() == 1
             && !self.mixed.scales_loss()
             && self
@@ -377,6 +418,52 @@ mod tests {
                 assert!(got.is_none(), "the sync step took the window's sums");
             }
         }
+    }
+
+    /// Under overlap the optimizer steps inside `backward` (on one process after the window's
+    /// sums are in), to candle-nn's numbers; the prepared optimizer's `step` then changes
+    /// nothing, clipping afterwards is refused, and overlap with sharding is refused at build.
+    #[test]
+    fn overlap_steps_inside_backward_and_refuses_clipping_afterwards() {
+        use candle_nn::Optimizer;
+        let mut acc = Accelerator::builder()
+            .cpu(true)
+            .overlap(true)
+            .build()
+            .unwrap();
+        let varmap = VarMap::new();
+        varmap
+            .get(3, "w", candle_nn::Init::Const(0.5), DType::F32, &Device::Cpu)
+            .unwrap();
+        let varmap = acc.prepare(varmap).unwrap();
+        let w: Var = varmap.data().lock().unwrap()["w"].clone();
+        let opt = crate::optim::AdamW::new(vec![w.clone()], Default::default()).unwrap();
+        let mut opt = acc.prepare(opt).unwrap();
+        let reference = Var::new(&[0.5f32, 0.5, 0.5], &Device::Cpu).unwrap();
+        let mut plain = candle_nn::AdamW::new(vec![reference.clone()], Default::default()).unwrap();
+        for i in 0..2 {
+            let x = batch(i);
+            let mut grads = acc
+                .backward(&(w.as_tensor() * &x).unwrap().sum_all().unwrap())
+                .unwrap();
+            let after_backward = w.as_tensor().to_vec1::<f32>().unwrap();
+            opt.step(&grads).unwrap();
+            assert_eq!(w.as_tensor().to_vec1::<f32>().unwrap(), after_backward);
+            plain
+                .backward_step(&(reference.as_tensor() * &x).unwrap().sum_all().unwrap())
+                .unwrap();
+            assert_eq!(after_backward, reference.as_tensor().to_vec1::<f32>().unwrap());
+            let e = acc.clip_grad_norm(&mut grads, 1.0, 2.0).unwrap_err();
+            assert!(e.to_string().contains("already stepped"), "{e}");
+        }
+        assert_eq!(opt.steps(), 2);
+        let e = Accelerator::builder()
+            .cpu(true)
+            .overlap(true)
+            .sharding(crate::Sharding::Gradients)
+            .build()
+            .unwrap_err();
+        assert!(e.to_string().contains("under sharding"), "{e}");
     }
 
     #[test]

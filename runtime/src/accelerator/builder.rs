@@ -24,6 +24,7 @@ pub struct AcceleratorBuilder {
     clip_grad_value: Option<f64>,
     seed: Option<u64>,
     bucket_mb: Option<usize>,
+    overlap: Option<bool>,
     initial_loss_scale: Option<f64>,
     project_dir: Option<std::path::PathBuf>,
     total_limit: Option<usize>,
@@ -191,6 +192,16 @@ impl AcceleratorBuilder {
         self
     }
 
+    /// Steps the optimizer inside `backward`, each bucket's variables as soon as their mean is
+    /// in, while the next bucket is still being averaged (also `IVME_OVERLAP=1`). The numbers
+    /// are the same; the optimizer's time hides behind the transfers. The prepared optimizer's
+    /// `step` then only records the outcome, so set the learning rate before `backward`; see
+    /// docs/performance.md for what it needs and what it gains.
+    pub fn overlap(mut self, on: bool) -> Self {
+        self.overlap = Some(on);
+        self
+    }
+
     /// Resolves the settings, joins the distributed run and builds the Accelerator.
     pub fn build(self) -> Result<Accelerator> {
         let mut warnings = Vec::new();
@@ -227,6 +238,18 @@ impl AcceleratorBuilder {
             env::parse_bool(s).ok_or_else(|| format!("use {}", env::CPU.values))
         })?;
         take(w);
+        let (overlap, w) = resolve_with("overlap", self.overlap, &env::OVERLAP, false, |s| {
+            env::parse_bool(s).ok_or_else(|| format!("use {}", env::OVERLAP.values))
+        })?;
+        take(w);
+        if overlap && sharding != crate::setup::config::Sharding::No {
+            return Err(Error::config(
+                "overlap",
+                format!("true, with sharding = {sharding}"),
+                "leave overlap off under sharding: the sharded step already runs inside \
+                 `backward`, over this process's slice",
+            ));
+        }
         if grad_accum == 0 {
             return Err(Error::config(
                 "grad_accum",
@@ -380,7 +403,8 @@ impl AcceleratorBuilder {
                 self.clip_grad_norm,
                 self.clip_grad_value,
             )
-            .with_buffers(buffers),
+            .with_buffers(buffers)
+            .with_overlap(overlap),
             mixed: crate::precision::MixedPrecision::new(precision, self.initial_loss_scale),
             training,
             data: crate::data::DataProgress::new(seed, rank),

@@ -165,6 +165,7 @@ impl Accelerator {
             sums,
             buffers: Default::default(),
             shard,
+            overlap: None,
         });
         Ok(())
     }
@@ -229,8 +230,51 @@ impl Accelerator {
             names,
             flat: false,
         }));
+        if self.sync.overlap() {
+            self.step_in_backward(&shared, copies)?;
+            return Ok(AcceleratedOptimizer::sharded(shared));
+        }
         Ok(AcceleratedOptimizer::new(shared, copies)
             .with_clock(self.training.window().clock().clone()))
+    }
+
+    /// Under `overlap`, hands the optimizer to its model, whose `backward` steps it in parts
+    /// (train/overlap.rs): one optimizer over one model, of a kind that steps in parts.
+    fn step_in_backward<O: StatefulOptimizer>(
+        &mut self,
+        opt: &Shared<O>,
+        copies: Vec<(Var, Var)>,
+    ) -> Result<()> {
+        let ids: Vec<_> = opt.lock().vars().iter().map(|v| v.as_tensor().id()).collect();
+        let mut models = self
+            .training
+            .models_mut()
+            .iter_mut()
+            .filter(|m| m.master.iter().any(|v| ids.contains(&v.as_tensor().id())));
+        let (Some(m), None) = (models.next(), models.next()) else {
+            return Err(Error::Prepare(
+                "with overlap = true an optimizer updates the variables of one prepared model \
+                 (one optimizer per model): build one per VarMap, or turn overlap off"
+                    .into(),
+            ));
+        };
+        if m.overlap.is_some() {
+            return Err(Error::Prepare(
+                "with overlap = true each prepared model has one optimizer, which `backward` \
+                 steps; this model already has one: give it a single optimizer (ivme's \
+                 AnyOptimizer or one AdamW), or turn overlap off"
+                    .into(),
+            ));
+        }
+        let Some(stepper) = crate::optim::parts::stepper(opt, copies) else {
+            return Err(Error::Prepare(format!(
+                "overlap = true steps the optimizer in parts, which ivme's AdamW, Sgd and \
+                 AnyOptimizer can do and {} cannot: use one of those, or turn overlap off",
+                std::any::type_name::<O>()
+            )));
+        };
+        m.overlap = Some(stepper);
+        Ok(())
     }
 
     fn name_of(&self, var: &Var) -> Option<String> {

@@ -148,6 +148,12 @@ pub trait Communicator {
     }
     /// The backend's name, for reports.
     fn name(&self) -> &'static str;
+    /// Whether this communicator may be used from another thread while the thread that made
+    /// it leaves it alone (MPI started with `MPI_THREAD_SERIALIZED`): the overlapped gradient
+    /// sync moves its buckets from a thread of its own only then.
+    fn lends_to_threads(&self) -> bool {
+        false
+    }
 }
 
 /// Fails unless a reduction's send and receive buffers have the same length.
@@ -329,6 +335,9 @@ impl Communicator for Counted {
     fn barrier(&self) -> Result<()> {
         self.tick();
         self.timed(|| self.inner.barrier())
+    }
+    fn lends_to_threads(&self) -> bool {
+        self.inner.lends_to_threads()
     }
     fn name(&self) -> &'static str {
         self.inner.name()

@@ -18,7 +18,7 @@ use crate::error::{Error, Result};
 use candle_core::{CpuStorage, DType, Device, Tensor};
 use mpi::collective::SystemOperation;
 use mpi::datatype::{Equivalence, PartitionMut};
-use mpi::environment::Universe;
+use mpi::environment::{Threading, Universe};
 use mpi::raw::AsRaw;
 use mpi::topology::Communicator as _;
 use mpi::topology::SimpleCommunicator;
@@ -30,6 +30,9 @@ use std::mem::{forget, ManuallyDrop};
 /// the run ended cleanly on every rank, and leaves MPI alone after a failure.
 pub struct MpiComm {
     world: SimpleCommunicator,
+    // Whether MPI may be called from a thread other than the one that started it, one thread
+    // at a time (MPI_THREAD_SERIALIZED or more): the overlapped gradient sync needs it.
+    serialized: bool,
     // Its control channel is freed only on a clean end, before MPI is finalized.
     watch: ManuallyDrop<Watch>,
     // Dropped (which finalizes MPI) only after a clean goodbye from every rank.
@@ -45,16 +48,21 @@ impl std::fmt::Debug for MpiComm {
 impl MpiComm {
     /// Starts MPI; fails if this process already started it (one Accelerator per program).
     pub fn init(options: &CommOptions) -> Result<Self> {
-        let universe = mpi::initialize().ok_or_else(|| {
-            Error::Setup(
-                "MPI is already initialised in this process: create one Accelerator per program"
-                    .into(),
-            )
-        })?;
+        // Serialized (one thread at a time, any thread) costs MPI no locking, and lets the
+        // overlapped sync move its buckets from a thread of its own.
+        let (universe, threading) = mpi::initialize_with_threading(Threading::Serialized)
+            .ok_or_else(|| {
+                Error::Setup(
+                    "MPI is already initialised in this process: create one Accelerator per \
+                     program"
+                        .into(),
+                )
+            })?;
         let world = universe.world();
         let watch = Watch::new(&world, options.timeout, options.debug_sync);
         Ok(MpiComm {
             world,
+            serialized: threading >= Threading::Serialized,
             watch: ManuallyDrop::new(watch),
             universe: ManuallyDrop::new(universe),
         })
@@ -419,6 +427,10 @@ impl Communicator for MpiComm {
 
     fn name(&self) -> &'static str {
         "mpi"
+    }
+
+    fn lends_to_threads(&self) -> bool {
+        self.serialized
     }
 }
 

@@ -30,6 +30,10 @@ pub struct StepTimes {
     pub optimizer: f64,
     /// Seconds checkpoint saves held the loop (the copy, for background saves).
     pub checkpoint: f64,
+    /// Under `overlap`: the optimizer steps on a bucket's variables that started while a
+    /// later bucket of the same window was still being averaged (the overlap at work).
+    #[serde(default)]
+    pub overlapped: u64,
 }
 
 impl StepTimes {
@@ -106,6 +110,7 @@ pub(crate) struct StepClock {
     sync: AtomicU64,
     optimizer: AtomicU64,
     checkpoint: AtomicU64,
+    overlapped: AtomicU64,
     /// Checkpoint calls in progress (a save calls a wait inside it: only the outermost counts).
     saving: AtomicU64,
     /// The profile's recorder, when profiling: every phase also becomes a span there.
@@ -148,6 +153,7 @@ impl Default for StepClock {
             sync: AtomicU64::new(0),
             optimizer: AtomicU64::new(0),
             checkpoint: AtomicU64::new(0),
+            overlapped: AtomicU64::new(0),
             saving: AtomicU64::new(0),
             trace: OnceLock::new(),
         }
@@ -212,6 +218,11 @@ impl StepClock {
         }
     }
 
+    /// Counts `parts` optimizer parts stepped while a later bucket was still moving.
+    pub(crate) fn overlapped(&self, parts: u64) {
+        self.overlapped.fetch_add(parts, Ordering::Relaxed);
+    }
+
     /// Counts a backward call, and an optimizer step when it ended a window.
     pub(crate) fn count(&self, window_ended: bool) {
         self.micro.fetch_add(1, Ordering::Relaxed);
@@ -233,6 +244,7 @@ impl StepClock {
             sync: secs(&self.sync),
             optimizer: secs(&self.optimizer),
             checkpoint: secs(&self.checkpoint),
+            overlapped: self.overlapped.load(Ordering::Relaxed),
         }
     }
 
@@ -246,6 +258,7 @@ impl StepClock {
             &self.sync,
             &self.optimizer,
             &self.checkpoint,
+            &self.overlapped,
         ] {
             c.store(0, Ordering::Relaxed);
         }
@@ -270,6 +283,7 @@ mod tests {
             sync: 0.3,
             optimizer: 0.1,
             checkpoint: 0.0,
+            overlapped: 0,
         };
         assert!((t.rest() - 0.3).abs() < 1e-12);
         let late = StepTimes { sync: 0.01, ..t };

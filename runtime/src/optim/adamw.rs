@@ -1,6 +1,7 @@
 //! AdamW with decoupled weight decay, computing candle-nn's numbers with state that can be
 //! saved, restored and re-bound to f32 master weights.
 
+use super::parts::InParts;
 use super::runs::{self, Run};
 use super::state_io::{check_count, check_replacement, find_tensor, read_f64, read_u64, to_f32};
 use super::{Linked, OptimizerLink, OptimizerState, StatefulOptimizer};
@@ -31,6 +32,8 @@ pub struct AdamW {
     moments: Vec<(Var, Var)>,
     params: ParamsAdamW,
     step_t: u64,
+    /// The learning rate and bias corrections of the step under way.
+    open: Option<Open>,
     link: Arc<OptimizerLink>,
 }
 
@@ -55,11 +58,27 @@ impl Optimizer for AdamW {
             moments,
             params,
             step_t: 0,
+            open: None,
             link,
         })
     }
 
     fn step(&mut self, grads: &GradStore) -> candle_core::Result<()> {
+        self.open_step();
+        self.step_open(grads)
+    }
+
+    fn learning_rate(&self) -> f64 {
+        self.link.lr()
+    }
+
+    fn set_learning_rate(&mut self, lr: f64) {
+        self.link.set_lr(lr)
+    }
+}
+
+impl InParts for AdamW {
+    fn open_step(&mut self) {
         self.step_t += 1;
         self.link.record_step();
         let lr = self.link.lr();
@@ -67,9 +86,25 @@ impl Optimizer for AdamW {
         // Bias corrections are computed in f64 and applied as tensor scalings, in candle-nn's
         // order, so f32 parameters get exactly candle-nn's numbers.
         let t = i32::try_from(self.step_t).unwrap_or(i32::MAX);
-        let scale_m = 1f64 / (1f64 - p.beta1.powi(t));
-        let scale_v = 1f64 / (1f64 - p.beta2.powi(t));
-        let decay = 1f64 - lr * p.weight_decay;
+        self.open = Some(Open {
+            lr,
+            scale_m: 1f64 / (1f64 - p.beta1.powi(t)),
+            scale_v: 1f64 / (1f64 - p.beta2.powi(t)),
+            decay: 1f64 - lr * p.weight_decay,
+        });
+    }
+
+    fn step_open(&mut self, grads: &GradStore) -> candle_core::Result<()> {
+        let Some(Open {
+            lr,
+            scale_m,
+            scale_v,
+            decay,
+        }) = self.open
+        else {
+            candle_core::bail!("AdamW: a part of a step before the step was opened")
+        };
+        let p = &self.params;
         let fused =
             super::fused::AdamWStep::new(p.beta1, p.beta2, scale_m, scale_v, p.eps, decay, lr);
         for ((var, (m, v)), run) in self.vars.iter().zip(&self.moments).zip(&self.runs) {
@@ -102,14 +137,15 @@ impl Optimizer for AdamW {
         }
         Ok(())
     }
+}
 
-    fn learning_rate(&self) -> f64 {
-        self.link.lr()
-    }
-
-    fn set_learning_rate(&mut self, lr: f64) {
-        self.link.set_lr(lr)
-    }
+/// What every variable's update of the open step uses (`InParts`).
+#[derive(Debug, Clone, Copy)]
+struct Open {
+    lr: f64,
+    scale_m: f64,
+    scale_v: f64,
+    decay: f64,
 }
 
 impl AdamW {

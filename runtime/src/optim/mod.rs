@@ -9,6 +9,7 @@ pub(crate) mod accelerated;
 pub mod adamw;
 pub mod any;
 pub(crate) mod fused;
+pub(crate) mod parts;
 pub(crate) mod runs;
 pub mod schedule;
 mod scheduler;

@@ -1,6 +1,7 @@
 //! Stochastic gradient descent with momentum, dampening, Nesterov and weight decay, with
 //! state that can be saved, restored and re-bound to f32 master weights.
 
+use super::parts::InParts;
 use super::runs::{self, Run};
 use super::state_io::{check_count, check_replacement, find_tensor, read_f64, read_u64, to_f32};
 use super::{Linked, OptimizerLink, OptimizerState, StatefulOptimizer};
@@ -65,6 +66,8 @@ pub struct Sgd {
     buffers: Vec<Option<Var>>,
     params: ParamsSgd,
     step_t: u64,
+    /// The learning rate of the step under way (`InParts`).
+    open_lr: Option<f64>,
     link: Arc<OptimizerLink>,
 }
 
@@ -82,13 +85,35 @@ impl Optimizer for Sgd {
             link: OptimizerLink::new(params.lr),
             params,
             step_t: 0,
+            open_lr: None,
         })
     }
 
     fn step(&mut self, grads: &GradStore) -> candle_core::Result<()> {
+        self.open_step();
+        self.step_open(grads)
+    }
+
+    fn learning_rate(&self) -> f64 {
+        self.link.lr()
+    }
+
+    fn set_learning_rate(&mut self, lr: f64) {
+        self.link.set_lr(lr)
+    }
+}
+
+impl InParts for Sgd {
+    fn open_step(&mut self) {
         self.step_t += 1;
         self.link.record_step();
-        let lr = self.link.lr();
+        self.open_lr = Some(self.link.lr());
+    }
+
+    fn step_open(&mut self, grads: &GradStore) -> candle_core::Result<()> {
+        let Some(lr) = self.open_lr else {
+            candle_core::bail!("Sgd: a part of a step before the step was opened")
+        };
         let p = self.params;
         let fused = super::fused::SgdStep {
             weight_decay: (p.weight_decay != 0.0).then_some(p.weight_decay as f32),
@@ -150,14 +175,6 @@ impl Optimizer for Sgd {
             runs::write(var, *run, &next_theta.to_dtype(var.dtype())?)?;
         }
         Ok(())
-    }
-
-    fn learning_rate(&self) -> f64 {
-        self.link.lr()
-    }
-
-    fn set_learning_rate(&mut self, lr: f64) {
-        self.link.set_lr(lr)
     }
 }
 

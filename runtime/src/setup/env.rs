@@ -220,6 +220,13 @@ pub const PROFILE: Var = Var {
     values: "a folder (unset: no profile)",
     meaning: "record every rank's phases per step (data, backward, sync and its collectives, optimizer, checkpoint stalls) and write a Chrome trace and record per rank into the folder, with a summary at `end_training` (`--profile`, `.profile(dir)`; docs/profiling.md)",
 };
+/// The overlapped gradient sync.
+pub const OVERLAP: Var = Var {
+    name: "IVME_OVERLAP",
+    set_by: SetBy::User,
+    values: "1 or 0 (also true/false)",
+    meaning: "step the optimizer inside `backward`, each bucket's variables while the next bucket is still being averaged (`.overlap(true)`, `overlap = true`; docs/performance.md)",
+};
 /// The model's FLOPs per sample, for a profile's FLOP rate.
 pub const FLOPS_PER_SAMPLE: Var = Var {
     name: "IVME_FLOPS_PER_SAMPLE",
@@ -262,6 +269,7 @@ pub const VARS: &[Var] = &[
     SNAPSHOT_DIR,
     STEP_TIMES,
     PROFILE,
+    OVERLAP,
     FLOPS_PER_SAMPLE,
     PEAK_FLOPS,
 ];

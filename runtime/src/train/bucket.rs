@@ -191,6 +191,25 @@ impl SyncBuffers {
         check_overflow: bool,
         store: &mut GradStore,
     ) -> Result<bool> {
+        self.lay_out(master, synced, bucket_bytes);
+        let work = Work {
+            sums,
+            master,
+            position,
+            finish,
+            check_overflow,
+        };
+        self.run(comm, work, |landed| {
+            if let Landed::Whole(i, t) = landed {
+                store.insert(master[i].as_tensor(), t);
+            }
+        })
+    }
+
+    /// Cuts the variables `synced` lists into buckets of `bucket_bytes` (again only when the
+    /// size or the list changed) and sizes the buffers for the largest; returns how many
+    /// buckets there are.
+    pub(crate) fn lay_out(&mut self, master: &[Var], synced: &[usize], bucket_bytes: usize) -> usize {
         if self
             .layout
             .as_ref()
@@ -206,8 +225,30 @@ impl SyncBuffers {
             self.recv = vec![0.0; largest];
             self.layout = Some((bucket_bytes, synced.to_vec(), buckets));
         }
-        let Some((_, _, buckets)) = &self.layout else {
-            unreachable!("laid out above")
+        self.layout.as_ref().map_or(0, |(_, _, b)| b.len())
+    }
+
+    /// Moves every bucket of the layout [`lay_out`](Self::lay_out) made: packs it, reduces it
+    /// and writes the finished mean back into the sums; tells `landed` each variable whose
+    /// mean is complete (its sum taken out of `sums`) and the end of each bucket. Returns
+    /// whether any value is inf/NaN (when `check_overflow`).
+    pub(crate) fn run(
+        &mut self,
+        comm: &dyn Communicator,
+        work: Work<'_>,
+        mut landed: impl FnMut(Landed),
+    ) -> Result<bool> {
+        let Work {
+            sums,
+            master,
+            position,
+            finish,
+            check_overflow,
+        } = work;
+        let Some((_, synced, buckets)) = &self.layout else {
+            return Err(crate::Error::Usage(
+                "the gradient sync ran before its buffers were laid out".into(),
+            ));
         };
         let mut overflow = false;
         for bucket in buckets {
@@ -241,14 +282,37 @@ impl SyncBuffers {
                     if span.from + span.len == master[i].elem_count() {
                         // Its last part is back: the whole mean is in place.
                         let t = sums[i].take().expect("present");
-                        store.insert(master[i].as_tensor(), t);
+                        landed(Landed::Whole(i, t));
                     }
                 }
                 offset += span.len;
             }
+            landed(Landed::BucketEnd);
         }
         Ok(overflow)
     }
+}
+
+/// What one run of the bucketed sync works on.
+pub(crate) struct Work<'a> {
+    /// The window's sums, by variable; each complete mean is taken out.
+    pub sums: &'a mut [Option<Tensor>],
+    /// The variables, whose element counts say when a mean is complete.
+    pub master: &'a [Var],
+    /// Where the data stands (the position check).
+    pub position: u64,
+    /// What unpacking does to each value.
+    pub finish: Finish,
+    /// Whether to look for inf/NaN.
+    pub check_overflow: bool,
+}
+
+/// What the bucketed sync reports as it goes.
+pub(crate) enum Landed {
+    /// Variable `i`'s mean is complete: its sum, now the mean.
+    Whole(usize, Tensor),
+    /// A bucket is done.
+    BucketEnd,
 }
 
 /// The f32 data of a contiguous CPU storage, as `layout` addresses it.

@@ -6,6 +6,7 @@ use crate::error::{Error, Result};
 use crate::setup::config::Sharding;
 pub use crate::train::bucket::all_reduce_bucketed;
 use crate::train::bucket::{Finish, SyncBuffers};
+use crate::optim::parts::PartStepper;
 use crate::train::shard::{Partial, Sharded};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
@@ -24,6 +25,9 @@ pub struct Gradients {
     sync: bool,
     overflow: bool,
     norm: Option<f64>,
+    /// Whether the optimizer already stepped on them inside `backward` (under `overlap`):
+    /// clipping them now would change nothing the step used, so it is refused.
+    stepped: bool,
 }
 
 impl Gradients {
@@ -33,6 +37,7 @@ impl Gradients {
             sync: false,
             overflow: false,
             norm: None,
+            stepped: false,
         }
     }
 
@@ -42,7 +47,26 @@ impl Gradients {
             sync: true,
             overflow,
             norm: None,
+            stepped: false,
         }
+    }
+
+    /// The same gradients, marked as already applied by an optimizer stepped in `backward`.
+    pub(crate) fn stepped(mut self) -> Self {
+        self.stepped = true;
+        self
+    }
+
+    /// Refuses a change to gradients an optimizer already applied.
+    fn refuse_if_stepped(&self, what: &str) -> Result<()> {
+        if !self.stepped {
+            return Ok(());
+        }
+        Err(Error::Usage(format!(
+            "`{what}` after `backward` changes nothing here: with overlap = true the optimizer \
+             already stepped on these gradients inside `backward`; set clipping on the builder \
+             (`.clip_grad_norm(x)`, `.clip_grad_value(x)`) or the attribute instead"
+        )))
     }
 
     /// The same gradients with the global norm already computed (sharded clipping).
@@ -88,6 +112,7 @@ impl Gradients {
         if !self.sync {
             return Ok(None);
         }
+        self.refuse_if_stepped("clip_grad_norm")?;
         if max_norm <= 0.0 || norm_type <= 0.0 || norm_type.is_nan() {
             return Err(Error::config(
                 "clip_grad_norm",
@@ -118,6 +143,7 @@ impl Gradients {
         if !self.sync {
             return Ok(());
         }
+        self.refuse_if_stepped("clip_grad_value")?;
         if limit <= 0.0 || limit.is_nan() {
             return Err(Error::config(
                 "clip_grad_value",
@@ -179,6 +205,9 @@ pub struct ParamSet {
     pub(crate) buffers: SyncBuffers,
     /// This process's slice of the model under sharding (shard.rs).
     pub(crate) shard: Option<Sharded>,
+    /// Under `overlap`, the model's optimizer, stepped in parts inside `backward`
+    /// (overlap.rs).
+    pub(crate) overlap: Option<PartStepper>,
 }
 
 impl ParamSet {
@@ -190,6 +219,23 @@ impl ParamSet {
         (0..self.trained.len())
             .filter(|&i| self.trained[i] || !some_trained)
             .collect()
+    }
+
+    /// [`synced`](Self::synced), after dropping the window sums of the others: a frozen
+    /// variable's sum (one a checkpoint saved before its optimizer was prepared, say) is not
+    /// kept across windows.
+    pub(crate) fn synced_dropping_others(&mut self) -> Vec<usize> {
+        let synced = self.synced();
+        if synced.len() < self.sums.len() {
+            let mut keep = vec![false; self.sums.len()];
+            synced.iter().for_each(|&i| keep[i] = true);
+            for (sum, k) in self.sums.iter_mut().zip(keep) {
+                if !k {
+                    *sum = None;
+                }
+            }
+        }
+        synced
     }
 
     /// The names of the variables a prepared optimizer steps, buffers left out.
@@ -316,18 +362,7 @@ impl ParamSet {
             return Ok(false);
         }
         let world = comm.world_size();
-        let synced = self.synced();
-        if synced.len() < self.sums.len() {
-            // A frozen variable's sum (one a checkpoint saved before its optimizer was
-            // prepared, say) is dropped, not kept across windows.
-            let mut keep = vec![false; self.sums.len()];
-            synced.iter().for_each(|&i| keep[i] = true);
-            for (sum, k) in self.sums.iter_mut().zip(keep) {
-                if !k {
-                    *sum = None;
-                }
-            }
-        }
+        let synced = self.synced_dropping_others();
         if world > 1 && self.buffers.fits(&self.sums) {
             let finish = Finish {
                 inv_world: 1.0 / world as f32,

@@ -6,6 +6,7 @@ pub(crate) mod bucket;
 pub(crate) mod buffers;
 pub(crate) mod frozen;
 pub mod grads;
+pub(crate) mod overlap;
 pub(crate) mod reach;
 pub(crate) mod shard;
 pub(crate) mod shard_sync;

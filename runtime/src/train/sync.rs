@@ -46,6 +46,7 @@ pub(crate) struct SyncSettings {
     clip_norm: Option<f64>,
     clip_value: Option<f64>,
     buffers: BufferSync,
+    overlap: bool,
 }
 
 impl SyncSettings {
@@ -62,7 +63,18 @@ impl SyncSettings {
             clip_norm,
             clip_value,
             buffers: BufferSync::Broadcast,
+            overlap: false,
         }
+    }
+    /// The same settings with the optimizer stepped inside `backward`, overlapped with the
+    /// sync (`overlap.rs`).
+    pub(crate) fn with_overlap(mut self, on: bool) -> Self {
+        self.overlap = on;
+        self
+    }
+    /// Whether the optimizer steps inside `backward`, overlapped with the sync.
+    pub(crate) fn overlap(&self) -> bool {
+        self.overlap
     }
     /// The same settings with buffers agreeing as `buffers` says.
     pub(crate) fn with_buffers(mut self, buffers: BufferSync) -> Self {

@@ -1,0 +1,123 @@
+//! The overlapped end of a window (`overlap = true`): the optimizer steps each bucket's
+//! variables while the next bucket is still being averaged.
+//!
+//! A thread of the sync's own moves the buckets (pack, all-reduce, unpack: `bucket.rs`'s
+//! loop, unchanged) and hands over each bucket's complete means as it finishes; the calling
+//! thread opens the optimizer's step once and updates those variables meanwhile
+//! (`optim/parts.rs`), so the optimizer's time hides behind the transfers that follow. The
+//! numbers are the unoverlapped step's bit for bit: each variable's update reads only its own
+//! mean and state. The communicator is lent to the sync thread only when its backend allows
+//! calls from another thread one at a time (`Communicator::lends_to_threads`), and the
+//! calling thread makes no call on it until it has joined that thread.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc;
+
+use candle_core::backprop::GradStore;
+use candle_core::Tensor;
+
+use crate::comm::Communicator;
+use crate::error::{Error, Result};
+use crate::optim::parts::{Part, PartStepper};
+use crate::train::bucket::{Finish, Landed, Work};
+use crate::train::grads::ParamSet;
+
+/// The communicator, lent to the sync thread for the length of one window's end.
+struct Lent<'a>(&'a dyn Communicator);
+
+// SAFETY: the communicator is used by one thread at a time: the sync thread while it runs,
+// and the lending thread only after the scope joined it (spawning and joining order the two).
+// `lends_to_threads` said its backend accepts calls from any thread under that rule (MPI with
+// MPI_THREAD_SERIALIZED), and its Rust-side state (cells, counters) is touched by one thread
+// at a time under the same ordering.
+unsafe impl Send for Lent<'_> {}
+
+impl ParamSet {
+    /// Whether this window can end overlapped: several processes, a backend that lends itself
+    /// to a thread, gradients the persistent buffers take, and more than one bucket.
+    pub(crate) fn can_overlap(&mut self, comm: &dyn Communicator, bucket_bytes: usize) -> bool {
+        if comm.world_size() < 2 || !comm.lends_to_threads() || !self.buffers.fits(&self.sums) {
+            return false;
+        }
+        let synced = self.synced_dropping_others();
+        self.buffers.lay_out(&self.master, &synced, bucket_bytes) > 1
+    }
+
+    /// Ends the window overlapped (call after [`can_overlap`](Self::can_overlap) said yes):
+    /// averages the sums bucket by bucket on a thread of its own while `step` updates each
+    /// bucket's complete variables; moves the means into `store` keyed by master variable.
+    /// Returns how many parts were stepped while a later bucket was still being averaged.
+    pub(crate) fn end_overlapped(
+        &mut self,
+        comm: &dyn Communicator,
+        position: u64,
+        bucket_bytes: usize,
+        step: &mut PartStepper,
+        store: &mut GradStore,
+    ) -> Result<u64> {
+        let world = comm.world_size();
+        let synced = self.synced_dropping_others();
+        let buckets = self.buffers.lay_out(&self.master, &synced, bucket_bytes);
+        let finish = Finish {
+            inv_world: 1.0 / world as f32,
+            inv_scale: None,
+        };
+        step.step(Part::Open)?;
+        let lent = Lent(comm);
+        let moved = AtomicUsize::new(0);
+        let (buffers, sums, master) = (&mut self.buffers, &mut self.sums, &self.master);
+        let mut hidden = 0u64;
+        std::thread::scope(|s| {
+            let (tx, rx) = mpsc::channel::<Vec<(usize, Tensor)>>();
+            let moved = &moved;
+            let mover = std::thread::Builder::new()
+                .name("ivme-sync".into())
+                .spawn_scoped(s, move || {
+                    let lent = lent;
+                    let work = Work {
+                        sums,
+                        master,
+                        position,
+                        finish,
+                        check_overflow: false,
+                    };
+                    let mut landed = Vec::new();
+                    buffers.run(lent.0, work, |l| match l {
+                        Landed::Whole(i, t) => landed.push((i, t)),
+                        Landed::BucketEnd => {
+                            moved.fetch_add(1, Ordering::AcqRel);
+                            // The receiver stays until every bucket is in; a failed step
+                            // still lets the transfers finish, so the ranks stay in step.
+                            let _ = tx.send(std::mem::take(&mut landed));
+                        }
+                    })
+                })
+                .map_err(|e| Error::Setup(format!("could not start the sync thread: {e}")))?;
+            let mut failed = None;
+            for part in rx {
+                if part.is_empty() {
+                    continue;
+                }
+                let mut grads = GradStore::default();
+                for (i, t) in &part {
+                    grads.insert(master[*i].as_tensor(), t.clone());
+                }
+                if failed.is_none() {
+                    if moved.load(Ordering::Acquire) < buckets {
+                        hidden += 1;
+                    }
+                    failed = step.step(Part::Vars(&grads)).err();
+                }
+                for (i, t) in part {
+                    store.insert(master[i].as_tensor(), t);
+                }
+            }
+            let moved = mover
+                .join()
+                .map_err(|_| Error::Comm("the gradient sync thread panicked".into()))?;
+            moved?;
+            failed.map_or(Ok(()), Err)
+        })?;
+        Ok(hidden)
+    }
+}
