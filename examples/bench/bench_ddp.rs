@@ -3,8 +3,11 @@
 //!
 //! ```text
 //! cargo build --release --workspace --bins --examples
-//! target/release/examples/bench_ddp [rounds=9] [tiny|wide] [processes=2] [jobs=3]
+//! target/release/examples/bench_ddp [rounds=9] [tiny|wide] [processes=2] [jobs=3] [overlap]
 //! ```
+//!
+//! With `overlap`, each job also runs ivme with 1 MB buckets (`bench_ddp one buckets ...`) and
+//! the same with `overlap = true` (`one overlap`), in alternating order.
 //!
 //! It starts `jobs` jobs of each system (`ivme launch --num_processes N --cpu` of itself with
 //! `one SYSTEM ROUNDS CASE`), alternating which system goes first. Each job runs one warm-up
@@ -191,7 +194,15 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 /// Runs one system's rounds in this job; rank 0 prints `µs/step allocs large bytes`.
 fn one(system: &str, rounds: usize, case: &Case) -> ivme::Result<()> {
-    let mut acc = Accelerator::new()?;
+    let mut acc = match system {
+        // 1 MB buckets, so that the wide model's 5.3 MB of gradient make several.
+        "buckets" => Accelerator::builder().bucket_size_mb(1).build()?,
+        "overlap" => Accelerator::builder()
+            .bucket_size_mb(1)
+            .overlap(true)
+            .build()?,
+        _ => Accelerator::new()?,
+    };
     let world = SimpleCommunicator::world();
     let data = batches(case, acc.process_index(), acc.num_processes())?;
     let mut times = Vec::new();
@@ -316,7 +327,16 @@ fn main() -> ivme::Result<()> {
         let word = case.name.split_whitespace().next().unwrap_or("tiny");
         let (mut hand, mut ours, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
         let (mut hand_alloc, mut ours_alloc) = (Counts::default(), Counts::default());
+        // With `overlap` as the fifth argument, two more systems per job: ivme with 1 MB
+        // buckets, and the same with the optimizer overlapped with the sync.
+        let mut extra: Vec<(&str, Vec<f64>, Vec<f64>)> = match args.get(4).map(String::as_str) {
+            Some("overlap") => vec![("buckets", vec![], vec![]), ("overlap", vec![], vec![])],
+            _ => vec![],
+        };
         for j in 0..jobs {
+            for (system, times, _) in extra.iter_mut().filter(|_| j % 2 == 1) {
+                times.push(job(system, rounds, word, processes)?.0);
+            }
             let (h, o) = if j % 2 == 0 {
                 let h = job("hand", rounds, word, processes)?;
                 (h, job("ivme", rounds, word, processes)?)
@@ -324,10 +344,27 @@ fn main() -> ivme::Result<()> {
                 let o = job("ivme", rounds, word, processes)?;
                 (job("hand", rounds, word, processes)?, o)
             };
+            for (system, times, _) in extra.iter_mut().filter(|_| j % 2 == 0) {
+                times.push(job(system, rounds, word, processes)?.0);
+            }
+            for (_, times, ratios) in extra.iter_mut() {
+                ratios.push(times[times.len() - 1] / h.0);
+            }
             hand.push(h.0);
             ours.push(o.0);
             ratios.push(o.0 / h.0);
             (hand_alloc, ours_alloc) = (h.1, o.1);
+        }
+        for (system, times, ratios) in extra {
+            println!(
+                "  ivme, {}: {:.1} µs/step, paired ratio to hand-written median {:.3}",
+                match system {
+                    "buckets" => "1 MB buckets",
+                    _ => "1 MB buckets, overlap = true",
+                },
+                median(times),
+                median(ratios),
+            );
         }
         println!(
             "{}: hand-written {:.1} µs/step, ivme {:.1} µs/step (medians of the jobs), paired \

@@ -285,7 +285,10 @@ impl AcceleratorBuilder {
             }
         }
 
-        let comm_options = self.comm_options()?;
+        let comm_options = CommOptions {
+            threads: overlap,
+            ..self.comm_options()?
+        };
         let profile = super::profile::ProfileSettings::resolve(
             self.profile.clone(),
             self.flops_per_sample,
@@ -363,6 +366,14 @@ impl AcceleratorBuilder {
             )));
         }
         check_precision(precision, &device)?;
+        if overlap && world > 1 && !comm.lends_to_threads() {
+            warnings.push(format!(
+                "overlap = true: {} cannot be called from a second thread here (MPI did not \
+                 grant MPI_THREAD_SERIALIZED, or another backend), so the optimizer steps inside \
+                 `backward` after the sync instead of during it",
+                comm.name()
+            ));
+        }
         let state = ProcessState {
             rank,
             world_size: world,
@@ -452,6 +463,7 @@ impl AcceleratorBuilder {
         Ok(CommOptions {
             timeout,
             debug_sync,
+            threads: false,
         })
     }
 }

@@ -363,6 +363,9 @@ pub struct CommOptions {
     /// failing with what each rank was doing when they differ. Costs one small collective per
     /// collective: a debugging aid.
     pub debug_sync: bool,
+    /// Start MPI so that a thread other than the one that started it may make calls, one
+    /// thread at a time (`MPI_THREAD_SERIALIZED`): what the overlapped sync needs.
+    pub threads: bool,
 }
 
 impl Default for CommOptions {
@@ -370,6 +373,7 @@ impl Default for CommOptions {
         CommOptions {
             timeout: DEFAULT_TIMEOUT,
             debug_sync: false,
+            threads: false,
         }
     }
 }

@@ -48,21 +48,24 @@ impl std::fmt::Debug for MpiComm {
 impl MpiComm {
     /// Starts MPI; fails if this process already started it (one Accelerator per program).
     pub fn init(options: &CommOptions) -> Result<Self> {
-        // Serialized (one thread at a time, any thread) costs MPI no locking, and lets the
-        // overlapped sync move its buckets from a thread of its own.
-        let (universe, threading) = mpi::initialize_with_threading(Threading::Serialized)
-            .ok_or_else(|| {
-                Error::Setup(
-                    "MPI is already initialised in this process: create one Accelerator per \
-                     program"
-                        .into(),
-                )
-            })?;
+        // Serialized (one thread at a time, any thread) lets the overlapped sync move its
+        // buckets from a thread of its own; without it MPI starts as it always did.
+        let started = match options.threads {
+            true => mpi::initialize_with_threading(Threading::Serialized)
+                .map(|(u, level)| (u, level >= Threading::Serialized)),
+            false => mpi::initialize().map(|u| (u, false)),
+        };
+        let (universe, serialized) = started.ok_or_else(|| {
+            Error::Setup(
+                "MPI is already initialised in this process: create one Accelerator per program"
+                    .into(),
+            )
+        })?;
         let world = universe.world();
         let watch = Watch::new(&world, options.timeout, options.debug_sync);
         Ok(MpiComm {
             world,
-            serialized: threading >= Threading::Serialized,
+            serialized,
             watch: ManuallyDrop::new(watch),
             universe: ManuallyDrop::new(universe),
         })
