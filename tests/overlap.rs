@@ -84,7 +84,10 @@ fn the_optimizer_steps_bucket_by_bucket_during_the_sync_to_the_same_weights() {
         let (ws, hidden) = run(n, &[&base[..], &["overlap=1"]].concat(), &format!("ov-{n}"));
         let expected = reference(2, 4, 4, n);
         for (r, w) in ws.iter().enumerate() {
-            assert_eq!(w, &plain[r], "{n} ranks, rank {r}: overlapped ≠ unoverlapped");
+            assert_eq!(
+                w, &plain[r],
+                "{n} ranks, rank {r}: overlapped ≠ unoverlapped"
+            );
             let d = max_diff(w, &expected);
             assert!(d < 1e-5, "{n} ranks, rank {r}: {d} from plain candle");
             // Each step has a part per bucket that completes a matrix, all but the last of

@@ -460,7 +460,10 @@ mod tests {
         assert_eq!(errs.len(), 1, "{errs:?}");
         assert!(errs[0].contains("under `zero`"), "{errs:?}");
         let errs = errors_of(quote!(overlap = 1));
-        assert!(errs[0].contains("`overlap` takes `true` or `false`"), "{errs:?}");
+        assert!(
+            errs[0].contains("`overlap` takes `true` or `false`"),
+            "{errs:?}"
+        );
     }
 
     #[test]

@@ -433,7 +433,13 @@ mod tests {
             .unwrap();
         let varmap = VarMap::new();
         varmap
-            .get(3, "w", candle_nn::Init::Const(0.5), DType::F32, &Device::Cpu)
+            .get(
+                3,
+                "w",
+                candle_nn::Init::Const(0.5),
+                DType::F32,
+                &Device::Cpu,
+            )
             .unwrap();
         let varmap = acc.prepare(varmap).unwrap();
         let w: Var = varmap.data().lock().unwrap()["w"].clone();
@@ -452,7 +458,10 @@ mod tests {
             plain
                 .backward_step(&(reference.as_tensor() * &x).unwrap().sum_all().unwrap())
                 .unwrap();
-            assert_eq!(after_backward, reference.as_tensor().to_vec1::<f32>().unwrap());
+            assert_eq!(
+                after_backward,
+                reference.as_tensor().to_vec1::<f32>().unwrap()
+            );
             let e = acc.clip_grad_norm(&mut grads, 1.0, 2.0).unwrap_err();
             assert!(e.to_string().contains("already stepped"), "{e}");
         }

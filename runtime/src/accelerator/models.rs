@@ -245,7 +245,12 @@ impl Accelerator {
         opt: &Shared<O>,
         copies: Vec<(Var, Var)>,
     ) -> Result<()> {
-        let ids: Vec<_> = opt.lock().vars().iter().map(|v| v.as_tensor().id()).collect();
+        let ids: Vec<_> = opt
+            .lock()
+            .vars()
+            .iter()
+            .map(|v| v.as_tensor().id())
+            .collect();
         let mut models = self
             .training
             .models_mut()

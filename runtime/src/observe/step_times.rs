@@ -24,7 +24,8 @@ pub struct StepTimes {
     /// Seconds in candle's backward and in adding gradients to the window's sums.
     pub backward: f64,
     /// Seconds ending accumulation windows: gradient collectives (including waiting for the
-    /// other ranks), unscaling and clipping; under sharding also the slice's optimizer step.
+    /// other ranks), unscaling and clipping; under sharding also the slice's optimizer step,
+    /// and with `overlap` the optimizer step.
     pub sync: f64,
     /// Seconds in the prepared optimizers' steps (and the 16-bit copies' refresh).
     pub optimizer: f64,

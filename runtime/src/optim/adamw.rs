@@ -1,13 +1,13 @@
 //! AdamW with decoupled weight decay, computing candle-nn's numbers with state that can be
 //! saved, restored and re-bound to f32 master weights.
 
-use super::parts::InParts;
+use super::parts::{span_of, InParts};
 use super::runs::{self, Run};
 use super::state_io::{check_count, check_replacement, find_tensor, read_f64, read_u64, to_f32};
 use super::{Linked, OptimizerLink, OptimizerState, StatefulOptimizer};
 use crate::error::{Error, Result};
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Var};
+use candle_core::{DType, Tensor, Var};
 use candle_nn::{Optimizer, ParamsAdamW};
 use std::sync::Arc;
 
@@ -136,6 +136,35 @@ impl InParts for AdamW {
             runs::write(var, *run, &next_theta.to_dtype(var.dtype())?)?;
         }
         Ok(())
+    }
+
+    fn step_span(&mut self, var: &Var, from: usize, grad: &Tensor) -> candle_core::Result<bool> {
+        let Some(o) = self.open else {
+            candle_core::bail!("AdamW: a part of a step before the step was opened")
+        };
+        let id = var.as_tensor().id();
+        let Some(i) = self.vars.iter().position(|v| v.as_tensor().id() == id) else {
+            return Ok(false);
+        };
+        if self.runs[i].is_some() || !super::fused::enabled() {
+            return Ok(false);
+        }
+        let len = grad.elem_count();
+        let (m, v) = &self.moments[i];
+        let theta = span_of(self.vars[i].as_tensor(), from, len)?;
+        let (m, v) = (
+            span_of(m.as_tensor(), from, len)?,
+            span_of(v.as_tensor(), from, len)?,
+        );
+        if ![&theta, &m, &v, grad].iter().all(|t| super::fused::fits(t)) {
+            return Ok(false);
+        }
+        let p = &self.params;
+        let fused = super::fused::AdamWStep::new(
+            p.beta1, p.beta2, o.scale_m, o.scale_v, p.eps, o.decay, o.lr,
+        );
+        super::fused::adamw(&theta, &m, &v, grad, fused)?;
+        Ok(true)
     }
 }
 

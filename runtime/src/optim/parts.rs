@@ -9,7 +9,7 @@ use crate::error::Result;
 use crate::precision::refresh_copy;
 use crate::stateful::Shared;
 use candle_core::backprop::GradStore;
-use candle_core::Var;
+use candle_core::{Tensor, Var};
 use std::any::Any;
 
 /// An optimizer whose step can be taken in parts.
@@ -18,6 +18,16 @@ pub(crate) trait InParts {
     fn open_step(&mut self);
     /// Updates the variables that have a gradient in `grads`, with the open step's constants.
     fn step_open(&mut self, grads: &GradStore) -> candle_core::Result<()>;
+    /// Updates elements `from..from + grad.elem_count()` of `var` (flattened) alone, with
+    /// `grad` (flat, f32) as their gradient; says `false`, changing nothing, where it cannot
+    /// (the op-by-op path, a variable it updates only in part, SGD's first momentum step):
+    /// the variable is then stepped whole once its gradient is complete.
+    fn step_span(&mut self, var: &Var, from: usize, grad: &Tensor) -> candle_core::Result<bool>;
+}
+
+/// The flat view of elements `from..from + len` of `t`, sharing its memory.
+pub(super) fn span_of(t: &Tensor, from: usize, len: usize) -> candle_core::Result<Tensor> {
+    t.flatten_all()?.narrow(0, from, len)
 }
 
 impl InParts for AnyOptimizer {
@@ -34,23 +44,43 @@ impl InParts for AnyOptimizer {
             AnyOptimizer::Sgd(o) => o.step_open(grads),
         }
     }
+
+    fn step_span(&mut self, var: &Var, from: usize, grad: &Tensor) -> candle_core::Result<bool> {
+        match self {
+            AnyOptimizer::AdamW(o) => o.step_span(var, from, grad),
+            AnyOptimizer::Sgd(o) => o.step_span(var, from, grad),
+        }
+    }
 }
 
-/// What a part of a step is: the opening, or the variables whose gradients `grads` hold.
+/// What a part of a step is.
 pub(crate) enum Part<'a> {
     /// Open the step.
     Open,
     /// Update these variables (keyed by master variable), then refresh their low-precision
     /// copies.
     Vars(&'a GradStore),
+    /// Update a run of one master variable's elements with its gradient ([`InParts::step_span`]);
+    /// the answer says whether it did.
+    Span {
+        /// The master variable.
+        var: &'a Var,
+        /// The run's first element (flattened).
+        from: usize,
+        /// The run's gradient, flat.
+        grad: &'a Tensor,
+    },
+    /// Every run of this master variable was updated: refresh its low-precision copy.
+    Done(&'a Var),
 }
 
 /// Takes a prepared optimizer's step in parts (see the module docs).
-pub(crate) struct PartStepper(Box<dyn FnMut(Part<'_>) -> Result<()>>);
+pub(crate) struct PartStepper(Box<dyn FnMut(Part<'_>) -> Result<bool>>);
 
 impl PartStepper {
-    /// Takes one part of the step.
-    pub(crate) fn step(&mut self, part: Part<'_>) -> Result<()> {
+    /// Takes one part of the step; says whether it did (a [`Part::Span`] may be left for the
+    /// whole variable).
+    pub(crate) fn step(&mut self, part: Part<'_>) -> Result<bool> {
         (self.0)(part)
     }
 }
@@ -71,42 +101,42 @@ pub(crate) fn stepper<O: Any + Send>(
         o.downcast_mut::<T>().expect("checked by type before")
     }
     let is = |t: std::any::TypeId| std::any::TypeId::of::<O>() == t;
-    let step: fn(&mut dyn Any, Option<&GradStore>) -> candle_core::Result<()> =
+    let step: fn(&mut dyn Any, &Part<'_>) -> candle_core::Result<bool> =
         if is(std::any::TypeId::of::<AdamW>()) {
-            |o, g| run(of::<AdamW>(o), g)
+            |o, p| run(of::<AdamW>(o), p)
         } else if is(std::any::TypeId::of::<Sgd>()) {
-            |o, g| run(of::<Sgd>(o), g)
+            |o, p| run(of::<Sgd>(o), p)
         } else if is(std::any::TypeId::of::<AnyOptimizer>()) {
-            |o, g| run(of::<AnyOptimizer>(o), g)
+            |o, p| run(of::<AnyOptimizer>(o), p)
         } else {
             return None;
         };
     let opt = opt.clone();
-    Some(PartStepper(Box::new(move |part: Part<'_>| {
-        let grads = match part {
-            Part::Open => None,
-            Part::Vars(g) => Some(g),
-        };
-        step(&mut *opt.lock() as &mut dyn Any, grads)?;
-        if let Some(g) = grads {
-            for (copy, master) in &copies {
-                if g.get(master.as_tensor()).is_some() {
-                    refresh_copy(copy, master)?;
-                }
-            }
+    let refresh = move |done: &dyn Fn(&Var) -> bool| -> Result<()> {
+        for (copy, master) in copies.iter().filter(|(_, m)| done(m)) {
+            refresh_copy(copy, master)?;
         }
         Ok(())
+    };
+    Some(PartStepper(Box::new(move |part: Part<'_>| {
+        let did = step(&mut *opt.lock() as &mut dyn Any, &part)?;
+        match part {
+            Part::Vars(g) => refresh(&|m| g.get(m.as_tensor()).is_some())?,
+            Part::Done(v) => refresh(&|m| m.as_tensor().id() == v.as_tensor().id())?,
+            Part::Open | Part::Span { .. } => {}
+        }
+        Ok(did)
     })))
 }
 
-fn run<T: InParts>(o: &mut T, grads: Option<&GradStore>) -> candle_core::Result<()> {
-    match grads {
-        None => {
-            o.open_step();
-            Ok(())
-        }
-        Some(g) => o.step_open(g),
+fn run<T: InParts>(o: &mut T, part: &Part<'_>) -> candle_core::Result<bool> {
+    match part {
+        Part::Open => o.open_step(),
+        Part::Vars(g) => o.step_open(g)?,
+        Part::Span { var, from, grad } => return o.step_span(var, *from, grad),
+        Part::Done(_) => {}
     }
+    Ok(true)
 }
 
 #[cfg(test)]
@@ -116,9 +146,10 @@ mod tests {
     use candle_core::{Device, Tensor};
     use candle_nn::Optimizer;
 
-    /// Two steps taken in parts (one variable at a time, in any order) equal two whole steps
-    /// bit for bit, and count as two steps.
-    fn check<O: Optimizer + InParts + crate::optim::Linked>(make: impl Fn(Vec<Var>) -> O) {
+    /// Two steps taken in parts (one variable at a time, in any order, each in two runs where
+    /// the optimizer can) equal two whole steps bit for bit, and count as two steps.
+    /// Returns how many variables were stepped in runs.
+    fn check<O: Optimizer + InParts + crate::optim::Linked>(make: impl Fn(Vec<Var>) -> O) -> usize {
         let dev = Device::Cpu;
         let vars = |k: f32| -> Vec<Var> {
             (0..3)
@@ -130,9 +161,12 @@ mod tests {
         };
         let (whole, parts) = (vars(0.5), vars(0.5));
         let (mut a, mut b) = (make(whole.clone()), make(parts.clone()));
+        let mut spans = 0;
         for round in 0..2 {
             let grad = |i: usize| {
-                let g: Vec<f32> = (0..5).map(|j| 0.3 - 0.07 * (i + j + round) as f32).collect();
+                let g: Vec<f32> = (0..5)
+                    .map(|j| 0.3 - 0.07 * (i + j + round) as f32)
+                    .collect();
                 Tensor::new(g, &dev).unwrap()
             };
             let mut all = GradStore::default();
@@ -142,8 +176,19 @@ mod tests {
             a.step(&all).unwrap();
             b.open_step();
             for i in [2, 0, 1] {
+                // In two runs where the optimizer can (SGD's first momentum step cannot).
+                let g = grad(i);
+                if b.step_span(&parts[i], 0, &g.narrow(0, 0, 2).unwrap())
+                    .unwrap()
+                {
+                    assert!(b
+                        .step_span(&parts[i], 2, &g.narrow(0, 2, 3).unwrap())
+                        .unwrap());
+                    spans += 1;
+                    continue;
+                }
                 let mut one = GradStore::default();
-                one.insert(parts[i].as_tensor(), grad(i));
+                one.insert(parts[i].as_tensor(), g);
                 b.step_open(&one).unwrap();
             }
         }
@@ -154,6 +199,7 @@ mod tests {
             );
         }
         assert_eq!(b.link().steps(), 2);
+        spans
     }
 
     #[test]
@@ -162,13 +208,14 @@ mod tests {
             weight_decay: 0.1,
             ..Default::default()
         };
-        check(|v| AdamW::new(v, adamw.clone()).unwrap());
+        assert_eq!(check(|v| AdamW::new(v, adamw.clone()).unwrap()), 6);
         let sgd = ParamsSgd {
             lr: 0.1,
             momentum: 0.9,
             weight_decay: 0.01,
             ..Default::default()
         };
-        check(|v| Sgd::new(v, sgd).unwrap());
+        // The first step starts the momentum buffers whole; the second updates runs.
+        assert_eq!(check(|v| Sgd::new(v, sgd).unwrap()), 3);
     }
 }

@@ -1,13 +1,13 @@
 //! Stochastic gradient descent with momentum, dampening, Nesterov and weight decay, with
 //! state that can be saved, restored and re-bound to f32 master weights.
 
-use super::parts::InParts;
+use super::parts::{span_of, InParts};
 use super::runs::{self, Run};
 use super::state_io::{check_count, check_replacement, find_tensor, read_f64, read_u64, to_f32};
 use super::{Linked, OptimizerLink, OptimizerState, StatefulOptimizer};
 use crate::error::{Error, Result};
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Var};
+use candle_core::{DType, Tensor, Var};
 use candle_nn::Optimizer;
 use std::sync::Arc;
 
@@ -115,13 +115,7 @@ impl InParts for Sgd {
             candle_core::bail!("Sgd: a part of a step before the step was opened")
         };
         let p = self.params;
-        let fused = super::fused::SgdStep {
-            weight_decay: (p.weight_decay != 0.0).then_some(p.weight_decay as f32),
-            momentum: p.momentum as f32,
-            one_minus_dampening: (1.0 - p.dampening) as f32,
-            nesterov: p.nesterov,
-            lr: lr as f32,
-        };
+        let fused = self.fused_step(lr);
         for ((var, buffer), run) in self
             .vars
             .iter()
@@ -176,9 +170,53 @@ impl InParts for Sgd {
         }
         Ok(())
     }
+
+    fn step_span(&mut self, var: &Var, from: usize, grad: &Tensor) -> candle_core::Result<bool> {
+        let Some(lr) = self.open_lr else {
+            candle_core::bail!("Sgd: a part of a step before the step was opened")
+        };
+        let id = var.as_tensor().id();
+        let Some(i) = self.vars.iter().position(|v| v.as_tensor().id() == id) else {
+            return Ok(false);
+        };
+        let p = self.params;
+        // A first momentum step starts the buffer from the whole gradient: left whole.
+        if self.runs[i].is_some()
+            || !super::fused::enabled()
+            || (p.momentum != 0.0 && self.buffers[i].is_none())
+        {
+            return Ok(false);
+        }
+        let len = grad.elem_count();
+        let target = span_of(self.vars[i].as_tensor(), from, len)?;
+        let buf = match &self.buffers[i] {
+            Some(b) if p.momentum != 0.0 => Some(span_of(b.as_tensor(), from, len)?),
+            _ => None,
+        };
+        if !super::fused::fits(&target)
+            || !super::fused::fits(grad)
+            || !buf.as_ref().is_none_or(super::fused::fits)
+        {
+            return Ok(false);
+        }
+        super::fused::sgd(&target, buf.as_ref(), grad, self.fused_step(lr))?;
+        Ok(true)
+    }
 }
 
 impl Sgd {
+    /// The constants of the fused pass at learning rate `lr`.
+    fn fused_step(&self, lr: f64) -> super::fused::SgdStep {
+        let p = self.params;
+        super::fused::SgdStep {
+            weight_decay: (p.weight_decay != 0.0).then_some(p.weight_decay as f32),
+            momentum: p.momentum as f32,
+            one_minus_dampening: (1.0 - p.dampening) as f32,
+            nesterov: p.nesterov,
+            lr: lr as f32,
+        }
+    }
+
     /// The hyper-parameters, with `lr` set to the learning rate the next step will use.
     pub fn params(&self) -> ParamsSgd {
         ParamsSgd {

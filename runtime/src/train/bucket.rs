@@ -209,7 +209,12 @@ impl SyncBuffers {
     /// Cuts the variables `synced` lists into buckets of `bucket_bytes` (again only when the
     /// size or the list changed) and sizes the buffers for the largest; returns how many
     /// buckets there are.
-    pub(crate) fn lay_out(&mut self, master: &[Var], synced: &[usize], bucket_bytes: usize) -> usize {
+    pub(crate) fn lay_out(
+        &mut self,
+        master: &[Var],
+        synced: &[usize],
+        bucket_bytes: usize,
+    ) -> usize {
         if self
             .layout
             .as_ref()
@@ -236,7 +241,7 @@ impl SyncBuffers {
         &mut self,
         comm: &dyn Communicator,
         work: Work<'_>,
-        mut landed: impl FnMut(Landed),
+        mut landed: impl FnMut(Landed<'_>),
     ) -> Result<bool> {
         let Work {
             sums,
@@ -279,6 +284,12 @@ impl SyncBuffers {
                     };
                     t.inplace_op1(&op)?;
                     overflow |= op.non_finite.get();
+                    landed(Landed::Span {
+                        at: i,
+                        from: span.from,
+                        len: span.len,
+                        sum: t,
+                    });
                     if span.from + span.len == master[i].elem_count() {
                         // Its last part is back: the whole mean is in place.
                         let t = sums[i].take().expect("present");
@@ -308,7 +319,18 @@ pub(crate) struct Work<'a> {
 }
 
 /// What the bucketed sync reports as it goes.
-pub(crate) enum Landed {
+pub(crate) enum Landed<'a> {
+    /// Elements `from..from + len` of variable `at`'s mean are in place in its sum.
+    Span {
+        /// The variable.
+        at: usize,
+        /// The first element (flattened).
+        from: usize,
+        /// How many.
+        len: usize,
+        /// The variable's sum, whose run is now the mean.
+        sum: &'a Tensor,
+    },
     /// Variable `i`'s mean is complete: its sum, now the mean.
     Whole(usize, Tensor),
     /// A bucket is done.

@@ -3,10 +3,10 @@
 
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
+use crate::optim::parts::PartStepper;
 use crate::setup::config::Sharding;
 pub use crate::train::bucket::all_reduce_bucketed;
 use crate::train::bucket::{Finish, SyncBuffers};
-use crate::optim::parts::PartStepper;
 use crate::train::shard::{Partial, Sharded};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};

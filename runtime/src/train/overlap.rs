@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
 
 use candle_core::backprop::GradStore;
-use candle_core::Tensor;
+use candle_core::{Tensor, Var};
 
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
@@ -66,9 +66,11 @@ impl ParamSet {
         let lent = Lent(comm);
         let moved = AtomicUsize::new(0);
         let (buffers, sums, master) = (&mut self.buffers, &mut self.sums, &self.master);
+        // How far each variable's step got: none, some runs (and every run so far), or whole.
+        let mut state = vec![Stepped::Not; master.len()];
         let mut hidden = 0u64;
         std::thread::scope(|s| {
-            let (tx, rx) = mpsc::channel::<Vec<(usize, Tensor)>>();
+            let (tx, rx) = mpsc::channel::<Vec<Arrived>>();
             let moved = &moved;
             let mover = std::thread::Builder::new()
                 .name("ivme-sync".into())
@@ -81,35 +83,33 @@ impl ParamSet {
                         finish,
                         check_overflow: false,
                     };
-                    let mut landed = Vec::new();
+                    let mut bucket = Vec::new();
                     buffers.run(lent.0, work, |l| match l {
-                        Landed::Whole(i, t) => landed.push((i, t)),
+                        Landed::Span { at, from, len, sum } => {
+                            bucket.push(Arrived::Run(at, from, len, sum.clone()))
+                        }
+                        Landed::Whole(i, t) => bucket.push(Arrived::Whole(i, t)),
                         Landed::BucketEnd => {
                             moved.fetch_add(1, Ordering::AcqRel);
                             // The receiver stays until every bucket is in; a failed step
                             // still lets the transfers finish, so the ranks stay in step.
-                            let _ = tx.send(std::mem::take(&mut landed));
+                            let _ = tx.send(std::mem::take(&mut bucket));
                         }
                     })
                 })
                 .map_err(|e| Error::Setup(format!("could not start the sync thread: {e}")))?;
             let mut failed = None;
-            for part in rx {
-                if part.is_empty() {
-                    continue;
+            for bucket in rx {
+                if failed.is_none() && moved.load(Ordering::Acquire) < buckets {
+                    hidden += 1;
                 }
-                let mut grads = GradStore::default();
-                for (i, t) in &part {
-                    grads.insert(master[*i].as_tensor(), t.clone());
-                }
-                if failed.is_none() {
-                    if moved.load(Ordering::Acquire) < buckets {
-                        hidden += 1;
+                for arrived in bucket {
+                    if let Arrived::Whole(i, t) = &arrived {
+                        store.insert(master[*i].as_tensor(), t.clone());
                     }
-                    failed = step.step(Part::Vars(&grads)).err();
-                }
-                for (i, t) in part {
-                    store.insert(master[i].as_tensor(), t);
+                    if failed.is_none() {
+                        failed = step_arrived(step, master, &mut state, arrived).err();
+                    }
                 }
             }
             let moved = mover
@@ -120,4 +120,63 @@ impl ParamSet {
         })?;
         Ok(hidden)
     }
+}
+
+/// What the sync thread hands over: a run of a variable's mean in place in its sum (the sum
+/// itself, shared), or a variable's complete mean.
+enum Arrived {
+    Run(usize, usize, usize, Tensor),
+    Whole(usize, Tensor),
+}
+
+/// How far a variable's step got in this window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stepped {
+    Not,
+    Runs,
+    Whole,
+}
+
+/// Steps what arrived: a run as it lands where the optimizer can update runs (then the
+/// complete variable only has its copy refreshed), the whole variable otherwise.
+fn step_arrived(
+    step: &mut PartStepper,
+    master: &[Var],
+    state: &mut [Stepped],
+    arrived: Arrived,
+) -> Result<()> {
+    match arrived {
+        Arrived::Run(i, from, len, sum) => {
+            // A variable whose first run the optimizer declined waits to be stepped whole.
+            if state[i] == Stepped::Not && from != 0 {
+                return Ok(());
+            }
+            let grad = sum.flatten_all()?.narrow(0, from, len)?;
+            let did = step.step(Part::Span {
+                var: &master[i],
+                from,
+                grad: &grad,
+            })?;
+            match (did, state[i]) {
+                (true, _) => state[i] = Stepped::Runs,
+                (false, Stepped::Not) => {}
+                (false, _) => {
+                    return Err(Error::Usage(
+                        "the optimizer updated some runs of a variable and declined another".into(),
+                    ))
+                }
+            }
+        }
+        Arrived::Whole(i, t) => {
+            if state[i] == Stepped::Runs {
+                step.step(Part::Done(&master[i]))?;
+            } else {
+                let mut grads = GradStore::default();
+                grads.insert(master[i].as_tensor(), t);
+                step.step(Part::Vars(&grads))?;
+            }
+            state[i] = Stepped::Whole;
+        }
+    }
+    Ok(())
 }
