@@ -370,7 +370,7 @@ impl AcceleratorBuilder {
             warnings.push(format!(
                 "overlap = true with no core to spare: {local_world} process(es) here, each \
                  computing on {} thread(s), leave none of the {} cores for the sync thread, which \
-                 then slows the step instead of hiding the optimizer (10–25 % slower on one core \
+                 then slows the step instead of hiding the optimizer (up to 33 % slower on one core \
                  per process, docs/performance.md); give each process fewer compute threads \
                  (RAYON_NUM_THREADS) or turn overlap off",
                 rayon::current_num_threads(),
