@@ -262,6 +262,18 @@ settings! {
         env: Some(Env { var: env::DEBUG_SYNC, read: true, to_ranks: |on| on.then(|| "1".into()) }),
         file: false, show: text, default: || Some(false),
     }
+    /// Whether the optimizer steps during the gradient sync, bucket by bucket.
+    overlap: bool {
+        label: "optimizer overlapped with the sync", code: "`.overlap(true)` / `overlap = true`",
+        attribute: "overlap",
+        flag: Some(Flag {
+            value_name: cli::SWITCH,
+            help: "step the optimizer inside backward, each bucket's part while later buckets are averaged (IVME_OVERLAP=1)",
+        }),
+        example: "", parse: values::switch, want: "1 or 0 (also true/false)",
+        env: Some(Env { var: env::OVERLAP, read: true, to_ranks: |on| on.then(|| "1".into()) }),
+        file: false, show: text, default: || Some(false),
+    }
     /// The signals taken as a preemption.
     preempt_signals: String {
         label: "preemption signals", code: "", attribute: "",

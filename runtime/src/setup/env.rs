@@ -223,9 +223,9 @@ pub const PROFILE: Var = Var {
 /// The overlapped gradient sync.
 pub const OVERLAP: Var = Var {
     name: "IVME_OVERLAP",
-    set_by: SetBy::User,
+    set_by: SetBy::Launcher,
     values: "1 or 0 (also true/false)",
-    meaning: "step the optimizer inside `backward`, each bucket's variables while the next bucket is still being averaged (`.overlap(true)`, `overlap = true`; docs/performance.md)",
+    meaning: "step the optimizer inside `backward`, each bucket's part while later buckets are still being averaged (`--overlap`, `overlap = true`; docs/performance.md)",
 };
 /// The model's FLOPs per sample, for a profile's FLOP rate.
 pub const FLOPS_PER_SAMPLE: Var = Var {
