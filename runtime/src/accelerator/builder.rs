@@ -371,8 +371,8 @@ impl AcceleratorBuilder {
                 "overlap = true with no core to spare: {local_world} process(es) here, each \
                  computing on {} thread(s), leave none of the {} cores for the sync thread, which \
                  then slows the step instead of hiding the optimizer (up to 33 % slower on one core \
-                 per process, docs/performance.md); give each process fewer compute threads \
-                 (RAYON_NUM_THREADS) or turn overlap off",
+                 per process, docs/performance.md); run fewer processes per machine, give each \
+                 fewer compute threads (RAYON_NUM_THREADS), or turn overlap off",
                 rayon::current_num_threads(),
                 cores()
             ));
