@@ -4,44 +4,9 @@
 
 mod common;
 
-#[path = "../examples/support/formula_model.rs"]
-mod formula_model;
+mod formula;
 
-use candle_core::{DType, Device, Tensor, Var};
-use candle_nn::{AdamW, Optimizer, ParamsAdamW};
-use formula_model::{init, loss, rows, WIDTHS};
-use std::collections::HashMap;
-use std::path::Path;
-
-/// Plain candle on one process, each step on the whole global batch (`world × batch` rows).
-fn reference(scale: usize, steps: usize, batch: usize, world: usize) -> Vec<Vec<f32>> {
-    let vars: Vec<Var> = (0..WIDTHS.len())
-        .map(|i| Var::from_tensor(&init(i, scale).unwrap()).unwrap())
-        .collect();
-    let ws: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
-    let mut opt = AdamW::new(vars.clone(), ParamsAdamW::default()).unwrap();
-    for step in 0..steps {
-        let x = rows(step * batch * world, batch * world).unwrap();
-        opt.backward_step(&loss(&x, &ws).unwrap()).unwrap();
-    }
-    vars.iter()
-        .map(|v| v.as_tensor().flatten_all().unwrap().to_vec1().unwrap())
-        .collect()
-}
-
-/// Each rank's weights, `w0..w7` flattened.
-fn weights(out: &Path, rank: usize) -> Vec<Vec<f32>> {
-    let file = out.join(format!("rank{rank}.safetensors"));
-    let mut t: HashMap<String, Tensor> = candle_core::safetensors::load(&file, &Device::Cpu)
-        .unwrap_or_else(|e| panic!("{}: {e}", file.display()));
-    (0..WIDTHS.len())
-        .map(|i| {
-            let w = t.remove(&format!("w{i}")).expect("every matrix saved");
-            let w = w.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
-            w.to_vec1().unwrap()
-        })
-        .collect()
-}
+use formula::{max_diff, reference, weights};
 
 /// Runs the `zero_buckets` subject unsharded on `n` ranks; returns each rank's weights and
 /// how many optimizer parts it stepped while a later bucket was still moving.
@@ -66,18 +31,10 @@ fn run(n: usize, args: &[&str], tag: &str) -> (Vec<Vec<Vec<f32>>>, Vec<u64>) {
     (w, hidden)
 }
 
-fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
-    a.iter()
-        .flatten()
-        .zip(b.iter().flatten())
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
-}
-
 #[test]
 fn the_optimizer_steps_bucket_by_bucket_during_the_sync_to_the_same_weights() {
     // Scale 2: 1,513,216 parameters, 6.05 MB of gradient: seven 1 MB buckets, most matrices
-    // cut across two of them, so such a matrix's step waits for its last part.
+    // cut across two of them, so their runs are stepped as each bucket lands.
     for n in [2usize, 3] {
         let base = ["scale=2", "steps=4", "batch=4"];
         let (plain, _) = run(n, &base, &format!("ov-off-{n}"));
@@ -90,8 +47,8 @@ fn the_optimizer_steps_bucket_by_bucket_during_the_sync_to_the_same_weights() {
             );
             let d = max_diff(w, &expected);
             assert!(d < 1e-5, "{n} ranks, rank {r}: {d} from plain candle");
-            // Each step has a part per bucket that completes a matrix, all but the last of
-            // which can start while a later bucket still moves; the count says some did.
+            // Each step has a part per bucket, all but the last of which can start while a
+            // later bucket still moves; the count says some did.
             assert!(
                 hidden[r] >= 1,
                 "{n} ranks, rank {r}: no part stepped during a later bucket's transfer"

@@ -366,24 +366,8 @@ impl AcceleratorBuilder {
             )));
         }
         check_precision(precision, &device)?;
-        if overlap && world > 1 && !spare_core(local_world) {
-            warnings.push(format!(
-                "overlap = true with no core to spare: {local_world} process(es) here, each \
-                 computing on {} thread(s), leave none of the {} cores for the sync thread, which \
-                 then slows the step instead of hiding the optimizer (up to 33 % slower on one core \
-                 per process, docs/performance.md); run fewer processes per machine, give each \
-                 fewer compute threads (RAYON_NUM_THREADS), or turn overlap off",
-                rayon::current_num_threads(),
-                cores()
-            ));
-        }
-        if overlap && world > 1 && !comm.lends_to_threads() {
-            warnings.push(format!(
-                "overlap = true: {} cannot be called from a second thread here (MPI did not \
-                 grant MPI_THREAD_SERIALIZED, or another backend), so the optimizer steps inside \
-                 `backward` after the sync instead of during it",
-                comm.name()
-            ));
+        if overlap {
+            warnings.extend(crate::train::overlap::warnings(world, local_world, &*comm));
         }
         let state = ProcessState {
             rank,
@@ -439,16 +423,6 @@ impl AcceleratorBuilder {
             profiling,
         })
     }
-}
-
-/// This machine's cores, as the process may use them.
-fn cores() -> usize {
-    std::thread::available_parallelism().map_or(1, usize::from)
-}
-
-/// Whether each of `local_world` processes here has a core beside its compute threads.
-fn spare_core(local_world: usize) -> bool {
-    local_world * (rayon::current_num_threads() + 1) <= cores()
 }
 
 impl AcceleratorBuilder {

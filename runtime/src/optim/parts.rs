@@ -1,8 +1,9 @@
 //! One optimizer step taken in parts: the step is opened once (its count, learning rate and
-//! bias corrections fixed), then each variable is updated as its gradient becomes final. The
-//! overlapped gradient sync (`train/overlap.rs`) steps a bucket's variables while the next
-//! bucket is still being averaged; the numbers are those of one whole step, since every
-//! variable's update depends only on its own gradient and state and on what the opening fixed.
+//! bias corrections fixed), then each variable, or each run of a variable's elements, is
+//! updated as its gradient becomes final. The overlapped gradient sync (`train/overlap.rs`)
+//! steps what a bucket brought while the next buckets are still being averaged; the numbers
+//! are those of one whole step, since every element's update depends only on its own gradient
+//! and state and on what the opening fixed.
 
 use super::{AdamW, AnyOptimizer, Sgd};
 use crate::error::Result;
@@ -129,6 +130,7 @@ pub(crate) fn stepper<O: Any + Send>(
     })))
 }
 
+/// Takes `part` on `o`; says whether it did.
 fn run<T: InParts>(o: &mut T, part: &Part<'_>) -> candle_core::Result<bool> {
     match part {
         Part::Open => o.open_step(),

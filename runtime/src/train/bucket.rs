@@ -234,9 +234,10 @@ impl SyncBuffers {
     }
 
     /// Moves every bucket of the layout [`lay_out`](Self::lay_out) made: packs it, reduces it
-    /// and writes the finished mean back into the sums; tells `landed` each variable whose
-    /// mean is complete (its sum taken out of `sums`) and the end of each bucket. Returns
-    /// whether any value is inf/NaN (when `check_overflow`).
+    /// and writes the finished mean back into the sums; tells `landed` each run of a
+    /// variable written, each variable whose mean is complete (its sum taken out of `sums`)
+    /// and the end of each bucket. Returns whether any value is inf/NaN (when
+    /// `check_overflow`).
     pub(crate) fn run(
         &mut self,
         comm: &dyn Communicator,

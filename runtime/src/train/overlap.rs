@@ -1,14 +1,16 @@
-//! The overlapped end of a window (`overlap = true`): the optimizer steps each bucket's
-//! variables while the next bucket is still being averaged.
+//! The overlapped end of a window (`overlap = true`): the optimizer steps each bucket's part
+//! of the gradient while the next buckets are still being averaged.
 //!
 //! A thread of the sync's own moves the buckets (pack, all-reduce, unpack: `bucket.rs`'s
-//! loop, unchanged) and hands over each bucket's complete means as it finishes; the calling
-//! thread opens the optimizer's step once and updates those variables meanwhile
-//! (`optim/parts.rs`), so the optimizer's time hides behind the transfers that follow. The
-//! numbers are the unoverlapped step's bit for bit: each variable's update reads only its own
-//! mean and state. The communicator is lent to the sync thread only when its backend allows
-//! calls from another thread one at a time (`Communicator::lends_to_threads`), and the
-//! calling thread makes no call on it until it has joined that thread.
+//! loop, unchanged) and hands over what each bucket brought as it finishes: runs of variables'
+//! means, and the variables now complete. The calling thread opens the optimizer's step once
+//! and meanwhile updates each run where the optimizer can update runs (`optim/parts.rs`), a
+//! whole variable once complete otherwise, so the optimizer's time hides behind the transfers
+//! that follow. The numbers are the unoverlapped step's bit for bit: each element's update
+//! reads only its own mean and state. The communicator is lent to the sync thread only when
+//! its backend allows calls from another thread one at a time
+//! (`Communicator::lends_to_threads`), and the calling thread makes no call on it until it has
+//! joined that thread.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
@@ -21,6 +23,36 @@ use crate::error::{Error, Result};
 use crate::optim::parts::{Part, PartStepper};
 use crate::train::bucket::{Finish, Landed, Work};
 use crate::train::grads::ParamSet;
+
+/// What overlap cannot do well on this machine, as warnings: MPI did not grant a second
+/// thread its calls, or the `local_world` processes here leave no core beside their compute
+/// threads for the sync thread.
+pub(crate) fn warnings(world: usize, local_world: usize, comm: &dyn Communicator) -> Vec<String> {
+    let mut out = Vec::new();
+    if world < 2 {
+        return out;
+    }
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    let threads = rayon::current_num_threads();
+    if local_world * (threads + 1) > cores {
+        out.push(format!(
+            "overlap = true with no core to spare: {local_world} process(es) here, each \
+             computing on {threads} thread(s), leave none of the {cores} cores for the sync \
+             thread, which then slows the step instead of hiding the optimizer (up to 33 % \
+             slower on one core per process, docs/performance.md); run fewer processes per \
+             machine, give each fewer compute threads (RAYON_NUM_THREADS), or turn overlap off"
+        ));
+    }
+    if !comm.lends_to_threads() {
+        out.push(format!(
+            "overlap = true: {} cannot be called from a second thread here (MPI did not grant \
+             MPI_THREAD_SERIALIZED, or another backend), so the optimizer steps inside \
+             `backward` after the sync instead of during it",
+            comm.name()
+        ));
+    }
+    out
+}
 
 /// The communicator, lent to the sync thread for the length of one window's end.
 struct Lent<'a>(&'a dyn Communicator);
@@ -44,9 +76,9 @@ impl ParamSet {
     }
 
     /// Ends the window overlapped (call after [`can_overlap`](Self::can_overlap) said yes):
-    /// averages the sums bucket by bucket on a thread of its own while `step` updates each
-    /// bucket's complete variables; moves the means into `store` keyed by master variable.
-    /// Returns how many parts were stepped while a later bucket was still being averaged.
+    /// averages the sums bucket by bucket on a thread of its own while `step` updates what each
+    /// bucket brought; moves the means into `store` keyed by master variable. Returns how many
+    /// buckets' parts were stepped while a later bucket was still being averaged.
     pub(crate) fn end_overlapped(
         &mut self,
         comm: &dyn Communicator,
