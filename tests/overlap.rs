@@ -61,3 +61,18 @@ fn the_optimizer_steps_bucket_by_bucket_during_the_sync_to_the_same_weights() {
     let (ws, _) = run(2, &[&args[..], &["overlap=1"]].concat(), "ov-bf16");
     assert_eq!(ws, plain, "bf16: overlapped ≠ unoverlapped");
 }
+
+#[test]
+fn accumulation_and_a_schedule_see_the_same_steps_overlapped() {
+    // Two micro-batches a window, the learning rate halved after every optimizer step: the
+    // schedule sets the rate between steps, which the overlapped step (inside `backward`)
+    // reads, and the window's sums are what the buckets carry.
+    let args = ["scale=2", "steps=6", "batch=2", "accum=2", "halve=1"];
+    let (plain, _) = run(2, &args, "ov-accum-off");
+    let (ws, hidden) = run(2, &[&args[..], &["overlap=1"]].concat(), "ov-accum");
+    assert_eq!(
+        ws, plain,
+        "accumulated and scheduled: overlapped ≠ unoverlapped"
+    );
+    assert!(hidden.iter().all(|h| *h >= 1), "{hidden:?}");
+}

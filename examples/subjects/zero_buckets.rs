@@ -11,7 +11,8 @@
 //! was still being averaged.
 //!
 //! Arguments are `key=value`: `stage=no|optimizer|gradients scale=S steps=K batch=B
-//! precision=no|bf16 bucket=MB overlap=0|1 out=DIR`.
+//! precision=no|bf16 bucket=MB overlap=0|1 accum=A halve=0|1 out=DIR` (`steps` counts
+//! micro-batches; `halve=1` halves the learning rate after every optimizer step).
 
 use candle_core::{DType, Tensor};
 use candle_nn::{Init, Optimizer, VarMap};
@@ -91,6 +92,7 @@ fn main() -> ivme::Result<()> {
         .precision(precision)
         .bucket_size_mb(bucket)
         .overlap(get("overlap", "0") == "1")
+        .grad_accum(get("accum", "1").parse().expect("accum is a number"))
         .build()?;
     let varmap = VarMap::new();
     let vb = acc.var_builder(&varmap, DType::F32);
@@ -103,6 +105,14 @@ fn main() -> ivme::Result<()> {
     }
     let opt = AdamW::new(varmap.all_vars(), ParamsAdamW::default())?;
     let (_varmap, mut opt) = acc.prepare((varmap.clone(), opt))?;
+    // `halve=1`: the learning rate halves after every optimizer step.
+    let mut schedule = match get("halve", "0").as_str() {
+        "1" => Some(ivme::optim::LrScheduler::new(
+            &opt,
+            ivme::optim::StepLr::new(1, 0.5)?,
+        )),
+        _ => None,
+    };
     let world = acc.num_processes();
     let rank = acc.process_index();
     let dtype = acc.param_dtype(DType::F32);
@@ -116,6 +126,9 @@ fn main() -> ivme::Result<()> {
         LARGEST.store(0, Ordering::Relaxed);
         let grads = acc.backward(&loss)?;
         opt.step(&grads)?;
+        if let Some(s) = schedule.as_mut() {
+            s.step();
+        }
         let (_, peak) = memory();
         if step > 0 {
             grew = grew.max(peak.saturating_sub(before));
