@@ -39,8 +39,8 @@ fn notes() -> String {
     format!(
         "Flags come before PROGRAM (`--num-processes` and `--num_processes=2` work too);\n\
          everything after PROGRAM is passed to it unchanged. Each rank sees IVME_NUM_PROCESSES,\n\
-         IVME_LAUNCHER=ivme, RAYON_NUM_THREADS (cores shared between the ranks on a machine, unless\n\
-         already set), glibc allocator settings on Linux (MALLOC_MMAP_THRESHOLD_ and\n\
+         IVME_LAUNCHER=ivme, RAYON_NUM_THREADS (cores shared between the ranks on a machine, one\n\
+         fewer with --overlap, unless already set), glibc allocator settings on Linux (MALLOC_MMAP_THRESHOLD_ and\n\
          MALLOC_TRIM_THRESHOLD_ unless set; IVME_MALLOC_TUNING=0 turns them off) and the variables\n\
          of the settings given. Set {} to use a particular mpirun.\n\
          \nSettings come from flags, then these variables already in the environment:\n{},\n\

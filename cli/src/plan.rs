@@ -147,7 +147,13 @@ impl LaunchPlan {
                 .map(|(var, text)| (var.to_string(), text)),
         );
         if user_rayon.is_none() {
-            let threads = (machine.cores / self.processes_per_machine()).max(1);
+            let share = (machine.cores / self.processes_per_machine()).max(1);
+            // `--overlap` keeps a core of each share for the sync thread, where there is one
+            // to keep.
+            let threads = match self.settings.overlap {
+                Some(true) if share > 1 => share - 1,
+                _ => share,
+            };
             ours.push((RAYON_VAR.into(), threads.to_string()));
         }
         ours.extend(tuning::malloc_tuning(inherited));

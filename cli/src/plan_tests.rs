@@ -210,6 +210,21 @@ fn the_sharding_stage_reaches_the_ranks_and_bad_stages_are_refused() {
 }
 
 #[test]
+fn overlap_keeps_a_core_of_each_share_for_the_sync_thread() {
+    let machine = Machine {
+        cores: 8,
+        slots: 8,
+        root: false,
+    };
+    let env = plan(&["--num_processes", "2", "--overlap", "sh"]).env(&machine, 0, &[]);
+    assert_eq!(get(&env, "RAYON_NUM_THREADS"), Some("3"));
+    assert_eq!(get(&env, "IVME_OVERLAP"), Some("1"));
+    // One core a process: nothing to keep (the ranks warn).
+    let env = plan(&["--num_processes", "2", "--overlap", "sh"]).env(&TWO_CORES_ROOT, 0, &[]);
+    assert_eq!(get(&env, "RAYON_NUM_THREADS"), Some("1"));
+}
+
+#[test]
 fn more_ranks_than_cores_still_get_one_thread() {
     let p = plan(&["--num_processes", "5", "sh"]);
     let env = p.env(&TWO_CORES_ROOT, 0, &[]);
