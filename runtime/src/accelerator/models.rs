@@ -178,6 +178,10 @@ impl Accelerator {
         if self.sync.sharding() != crate::Sharding::No {
             return self.wrap_sharded_optimizer(opt);
         }
+        let overlap = match self.sync.overlap() {
+            true => Some(self.overlap_model(&opt)?),
+            false => None,
+        };
         let mut masters = Vec::with_capacity(opt.vars().len());
         let mut copies = Vec::new();
         for v in opt.vars() {
@@ -230,33 +234,34 @@ impl Accelerator {
             names,
             flat: false,
         }));
-        if self.sync.overlap() {
-            self.step_in_backward(&shared, copies)?;
+        if let Some(k) = overlap {
+            let stepper = crate::optim::parts::stepper(&shared, copies);
+            self.training.models_mut()[k].overlap = stepper;
             return Ok(AcceleratedOptimizer::sharded(shared));
         }
         Ok(AcceleratedOptimizer::new(shared, copies)
             .with_clock(self.training.window().clock().clone()))
     }
 
-    /// Under `overlap`, hands the optimizer to its model, whose `backward` steps it in parts
-    /// (train/overlap.rs): one optimizer over one model, of a kind that steps in parts.
-    fn step_in_backward<O: StatefulOptimizer>(
-        &mut self,
-        opt: &Shared<O>,
-        copies: Vec<(Var, Var)>,
-    ) -> Result<()> {
-        let ids: Vec<_> = opt
-            .lock()
-            .vars()
-            .iter()
-            .map(|v| v.as_tensor().id())
-            .collect();
-        let mut models = self
-            .training
-            .models_mut()
-            .iter_mut()
-            .filter(|m| m.master.iter().any(|v| ids.contains(&v.as_tensor().id())));
-        let (Some(m), None) = (models.next(), models.next()) else {
+    /// Under `overlap`, the model whose `backward` will step `opt` (in parts,
+    /// train/overlap.rs), checked before anything is registered: one optimizer over one
+    /// model, of a kind that steps in parts.
+    fn overlap_model<O: StatefulOptimizer>(&self, opt: &O) -> Result<usize> {
+        if !crate::optim::parts::steps_in_parts::<O>() {
+            return Err(Error::Prepare(format!(
+                "overlap = true steps the optimizer in parts, which ivme's AdamW, Sgd and \
+                 AnyOptimizer can do and {} cannot: use one of those, or turn overlap off",
+                std::any::type_name::<O>()
+            )));
+        }
+        let ids: Vec<_> = opt.vars().iter().map(|v| v.as_tensor().id()).collect();
+        let mut models = self.training.models().iter().enumerate().filter(|(_, m)| {
+            m.compute
+                .iter()
+                .chain(&m.master)
+                .any(|v| ids.contains(&v.as_tensor().id()))
+        });
+        let (Some((k, m)), None) = (models.next(), models.next()) else {
             return Err(Error::Prepare(
                 "with overlap = true an optimizer updates the variables of one prepared model \
                  (one optimizer per model): build one per VarMap, or turn overlap off"
@@ -271,15 +276,7 @@ impl Accelerator {
                     .into(),
             ));
         }
-        let Some(stepper) = crate::optim::parts::stepper(opt, copies) else {
-            return Err(Error::Prepare(format!(
-                "overlap = true steps the optimizer in parts, which ivme's AdamW, Sgd and \
-                 AnyOptimizer can do and {} cannot: use one of those, or turn overlap off",
-                std::any::type_name::<O>()
-            )));
-        };
-        m.overlap = Some(stepper);
-        Ok(())
+        Ok(k)
     }
 
     fn name_of(&self, var: &Var) -> Option<String> {
@@ -426,80 +423,5 @@ impl Accelerator {
 }
 
 #[cfg(test)]
-mod tests {
-    use crate::optim::{AdamW, ParamsAdamW};
-    use crate::Accelerator;
-    use candle_core::{DType, Device};
-    use candle_nn::{Init, Optimizer, VarMap};
-
-    /// A fine-tune's layout: an optimizer over the head only. What trains and what is frozen
-    /// are listed by name, and a variable two optimizers would step is refused at prepare.
-    #[test]
-    fn what_the_optimizers_hold_trains_and_a_variable_held_twice_is_refused() {
-        let mut acc = Accelerator::builder().cpu(true).build().unwrap();
-        let varmap = VarMap::new();
-        let get = |name: &str, n: usize| {
-            varmap
-                .get(n, name, Init::Const(0.5), DType::F32, &Device::Cpu)
-                .unwrap()
-        };
-        let (_w, head) = (get("backbone.w", 4), get("head.w", 2));
-        let head = candle_core::Var::from_tensor(&head).unwrap();
-        let varmap = acc.prepare(varmap).unwrap();
-        let opt = AdamW::new(vec![head.clone()], ParamsAdamW::default()).unwrap();
-        let _opt = acc.prepare(opt).unwrap();
-        assert_eq!(acc.trained_names(), ["head.w"]);
-        assert_eq!(acc.frozen_names(), ["backbone.w"]);
-
-        let again = AdamW::new(vec![head], ParamsAdamW::default()).unwrap();
-        let e = acc.prepare(again).unwrap_err().to_string();
-        assert!(
-            e.contains("`head.w` is held by two prepared optimizers"),
-            "{e}"
-        );
-        drop(varmap);
-    }
-
-    /// A frozen backbone's gradients, which candle computes anyway, are not summed over the
-    /// window, synced or handed back: only the head's are, with plain candle's values.
-    #[test]
-    fn a_frozen_variable_is_neither_accumulated_nor_returned() {
-        let mut acc = Accelerator::builder()
-            .cpu(true)
-            .grad_accum(2)
-            .build()
-            .unwrap();
-        let varmap = VarMap::new();
-        let get = |name: &str, n: usize| {
-            varmap
-                .get(n, name, Init::Const(0.5), DType::F32, &Device::Cpu)
-                .unwrap()
-        };
-        let (w, h) = (get("backbone.w", 1000), get("head.w", 1000));
-        let (w, h) = (
-            candle_core::Var::from_tensor(&w).unwrap(),
-            candle_core::Var::from_tensor(&h).unwrap(),
-        );
-        let _varmap = acc.prepare(varmap).unwrap();
-        let opt = AdamW::new(vec![h.clone()], ParamsAdamW::default()).unwrap();
-        let _opt = acc.prepare(opt).unwrap();
-        // loss = sum(w * h * x): d/dh = w * x, d/dw = h * x.
-        let loss = |x: f64| {
-            (w.as_tensor() * h.as_tensor())
-                .unwrap()
-                .affine(x, 0.0)
-                .unwrap()
-                .sum_all()
-                .unwrap()
-        };
-        let first = acc.backward(&loss(1.0)).unwrap();
-        assert!(!first.is_sync_step());
-        // Only the head's window sum is held: 1000 f32 values.
-        assert_eq!(acc.held_bytes().unwrap().gradients, 1000 * 4);
-        let grads = acc.backward(&loss(3.0)).unwrap();
-        assert!(grads.get(&w).is_none(), "a frozen variable has no gradient");
-        // The window's mean: (0.5 * 1 + 0.5 * 3) / 2 = 1.0 for every element.
-        let g = grads.get(&h).expect("the head's gradient");
-        assert_eq!(g.to_vec1::<f32>().unwrap(), vec![1.0f32; 1000]);
-    }
-}
+#[path = "models_tests.rs"]
+mod tests;

@@ -92,6 +92,17 @@ impl std::fmt::Debug for PartStepper {
     }
 }
 
+/// Whether [`stepper`] takes an optimizer of type `O`: ivme's AdamW, Sgd or AnyOptimizer.
+pub(crate) fn steps_in_parts<O: Any>() -> bool {
+    use std::any::TypeId;
+    [
+        TypeId::of::<AdamW>(),
+        TypeId::of::<Sgd>(),
+        TypeId::of::<AnyOptimizer>(),
+    ]
+    .contains(&TypeId::of::<O>())
+}
+
 /// A part stepper over `opt`, when it is ivme's AdamW, Sgd or AnyOptimizer (others step whole);
 /// `copies` are the (low-precision copy, f32 master) pairs a part refreshes after updating.
 pub(crate) fn stepper<O: Any + Send>(
