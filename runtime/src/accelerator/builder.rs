@@ -195,11 +195,14 @@ impl AcceleratorBuilder {
         self
     }
 
-    /// Steps the optimizer inside `backward`, each bucket's variables as soon as their mean is
-    /// in, while the next bucket is still being averaged (also `IVME_OVERLAP=1`). The numbers
-    /// are the same; the optimizer's time hides behind the transfers. The prepared optimizer's
-    /// `step` then only records the outcome, so set the learning rate before `backward`; see
-    /// docs/performance.md for what it needs and what it gains.
+    /// Steps the optimizer inside `backward`, each bucket's part of the gradient as soon as its
+    /// mean is in, while later buckets are still being averaged (also `ivme launch --overlap`,
+    /// `IVME_OVERLAP=1`). The numbers are the same bit for bit. It pays only where each process
+    /// has a core to spare for the sync thread and the transfers wait on a network; with one
+    /// core a process it slows the step (docs/performance.md has the measurements), and the
+    /// build warns. The prepared optimizer's `step` then only records the outcome, so set the
+    /// learning rate before `backward`, and clip through the builder, not the returned
+    /// gradients.
     pub fn overlap(mut self, on: bool) -> Self {
         self.overlap = Some(on);
         self

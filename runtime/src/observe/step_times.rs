@@ -31,8 +31,8 @@ pub struct StepTimes {
     pub optimizer: f64,
     /// Seconds checkpoint saves held the loop (the copy, for background saves).
     pub checkpoint: f64,
-    /// Under `overlap`: the optimizer steps on a bucket's variables that started while a
-    /// later bucket of the same window was still being averaged (the overlap at work).
+    /// Under `overlap`: the buckets whose part of the optimizer step started while a later
+    /// bucket of the same window was still being averaged (the overlap at work).
     #[serde(default)]
     pub overlapped: u64,
 }
