@@ -46,6 +46,7 @@ pub mod comm;
 pub mod data;
 pub mod error;
 pub mod finetune;
+pub mod models;
 pub mod nn;
 mod observe;
 pub mod optim;

@@ -1,0 +1,180 @@
+//! The llama family, trainable end to end: Llama 2/3 (with Llama 3's rope scaling), Mistral
+//! (sliding window), Qwen2 (query/key/value biases) and Phi-3 (fused projections), read from a
+//! Hugging Face folder.
+//!
+//! Every norm, rotary embedding and attention goes through [`crate::nn`]'s differentiable
+//! ops, so `loss.backward()` reaches every weight (candle-transformers' `Llama` reaches the
+//! output head only). The forward covers the whole sequence: logits at every position, no KV
+//! cache. Variable names are transformers': `model.embed_tokens.weight`,
+//! `model.layers.N.self_attn.q_proj.weight`, …, `model.norm.weight`, `lm_head.weight`.
+//!
+//! ```no_run
+//! use candle_core::{DType, Device, Tensor};
+//! use candle_nn::{VarBuilder, VarMap};
+//! use ivme::models::{causal_lm_loss, llama::{Llama, LlamaConfig}, load_weights, IGNORE_INDEX};
+//! # fn main() -> ivme::Result<()> {
+//! let folder = std::path::Path::new("my-llama");
+//! let cfg = LlamaConfig::from_folder(folder)?;
+//! let varmap = VarMap::new();
+//! let model = Llama::new(&cfg, VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu))?;
+//! load_weights(&varmap, folder)?;
+//! let ids = Tensor::new(&[[1u32, 5, 9, 2]], &Device::Cpu)?;
+//! let loss = causal_lm_loss(&model.forward(&ids)?, &ids.to_dtype(DType::I64)?, IGNORE_INDEX)?;
+//! let grads = loss.backward()?; // a gradient for every variable
+//! # Ok(())
+//! # }
+//! ```
+
+mod block;
+mod config;
+
+pub use block::{BlockContext, DecoderBlock, RmsNorm};
+pub use config::{Flavor, Llama3Scaling, LlamaConfig};
+
+use super::proj::Proj;
+use super::rotary::RotaryTables;
+use crate::finetune::Lora;
+use crate::nn::Attention;
+use candle_core::{DType, Module, Result, Tensor};
+use candle_nn::{Embedding, VarBuilder};
+
+/// A llama-family causal language model.
+#[derive(Debug, Clone)]
+pub struct Llama {
+    cfg: LlamaConfig,
+    embed: Embedding,
+    blocks: Vec<DecoderBlock>,
+    norm: RmsNorm,
+    head: Proj,
+    rotary: RotaryTables,
+}
+
+impl Llama {
+    /// The model under `vb` (the folder's root: `model.*` and `lm_head`), every weight trained.
+    pub fn new(cfg: &LlamaConfig, vb: VarBuilder) -> Result<Llama> {
+        Self::build(cfg, vb, None)
+    }
+
+    /// The model with LoRA adapters on the linears `lora`'s targets name (transformers' module
+    /// names: `q_proj`, `v_proj`, `layers.0.mlp.up_proj`, …); over a frozen base (`vb` from
+    /// [`Accelerator::base`](crate::Accelerator)) only the adapters train.
+    pub fn with_lora(cfg: &LlamaConfig, vb: VarBuilder, lora: &Lora) -> Result<Llama> {
+        Self::build(cfg, vb, Some(lora))
+    }
+
+    fn build(cfg: &LlamaConfig, vb: VarBuilder, lora: Option<&Lora>) -> Result<Llama> {
+        let m = vb.pp("model");
+        let embed = candle_nn::embedding(cfg.vocab_size, cfg.hidden_size, m.pp("embed_tokens"))?;
+        let blocks = (0..cfg.num_hidden_layers)
+            .map(|i| DecoderBlock::new(cfg, m.pp("layers").pp(i), lora))
+            .collect::<Result<Vec<_>>>()?;
+        let norm = RmsNorm::new(cfg.hidden_size, cfg.rms_norm_eps, m.pp("norm"))?;
+        let head = if cfg.tie_word_embeddings {
+            Proj::Plain(candle_nn::Linear::new(embed.embeddings().clone(), None))
+        } else {
+            Proj::new(
+                cfg.hidden_size,
+                cfg.vocab_size,
+                false,
+                vb.pp("lm_head"),
+                lora,
+            )?
+        };
+        let rotary = RotaryTables::new(
+            cfg.head_dim,
+            cfg.max_position_embeddings,
+            cfg.rope_theta,
+            cfg.rope_scaling.as_ref(),
+            vb.device(),
+        )?;
+        Ok(Llama {
+            cfg: cfg.clone(),
+            embed,
+            blocks,
+            norm,
+            head,
+            rotary,
+        })
+    }
+
+    /// The config the model was built from.
+    pub fn config(&self) -> &LlamaConfig {
+        &self.cfg
+    }
+
+    /// Logits `(b, t, vocab)` at every position of `input_ids` `(b, t)` (u32 or i64 token ids).
+    pub fn forward(&self, input_ids: &Tensor) -> Result<Tensor> {
+        self.forward_masked(input_ids, None)
+    }
+
+    /// [`forward`](Self::forward) with a padding mask `(b, t)`: keys where it is 0 are never
+    /// attended to (the 1s and 0s transformers' `attention_mask` holds).
+    pub fn forward_masked(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let mut h = self.embed(input_ids)?;
+        let ctx = self.context(h.dim(1)?, h.dtype(), attention_mask)?;
+        for block in &self.blocks {
+            h = block.forward(&h, &ctx)?;
+        }
+        self.head(&h)
+    }
+
+    /// The token embeddings `(b, t, hidden)` of `input_ids`: the input of the first block.
+    pub fn embed(&self, input_ids: &Tensor) -> Result<Tensor> {
+        self.embed.forward(&input_ids.to_dtype(DType::U32)?)
+    }
+
+    /// What every block needs for a sequence of `t` tokens whose activations are `dtype`:
+    /// rotary tables, causal masking (and Mistral's window), the padding mask if given.
+    pub fn context(
+        &self,
+        t: usize,
+        dtype: DType,
+        attention_mask: Option<&Tensor>,
+    ) -> Result<BlockContext> {
+        let (cos, sin) = self.rotary.first(t, dtype)?;
+        let mask = attention_mask.map(|m| padding_mask(m, t)).transpose()?;
+        Ok(BlockContext {
+            cos,
+            sin,
+            attention: Attention {
+                causal: true,
+                sliding_window: self.cfg.sliding_window,
+                mask,
+                ..Attention::default()
+            },
+        })
+    }
+
+    /// The decoder blocks, in order: the units a checkpointed or sharded forward runs one by
+    /// one (`model.layers.N`).
+    pub fn blocks(&self) -> &[DecoderBlock] {
+        &self.blocks
+    }
+
+    /// The final norm and the output head over the last block's output: logits.
+    pub fn head(&self, hidden: &Tensor) -> Result<Tensor> {
+        self.head.forward(&self.norm.forward(hidden)?)
+    }
+}
+
+/// An additive mask `(b, 1, 1, t)` from a 0/1 padding mask `(b, t)`: 0 where a key is kept,
+/// −∞ where it is padding.
+pub(crate) fn padding_mask(mask: &Tensor, t: usize) -> Result<Tensor> {
+    let (b, mt) = mask.dims2()?;
+    if mt != t {
+        candle_core::bail!(
+            "attention_mask {:?} does not match the {t} input tokens",
+            mask.shape()
+        )
+    }
+    let keep = mask.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    let add: Vec<f32> = keep
+        .iter()
+        .map(|&k| if k != 0.0 { 0.0 } else { f32::NEG_INFINITY })
+        .collect();
+    Tensor::from_vec(add, (b, 1, 1, t), mask.device())
+}
