@@ -21,7 +21,7 @@ mod init;
 use bytes_llama::{config, loss_of, text, BATCH, CONTEXT};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{Optimizer, VarBuilder, VarMap};
-use candle_transformers::models::llama;
+use ivme::models::llama::Llama;
 use ivme::data::{DataLoader, Dataset, TensorDataset, TokenFile, TokenWidth};
 use ivme::optim::{AdamW, ParamsAdamW};
 use ivme::{Accelerator, Error};
@@ -40,8 +40,7 @@ where
     let cfg = config();
     let varmap = VarMap::new();
     let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
-    let mut cache = llama::Cache::new(false, DType::F32, &cfg, &Device::Cpu)?;
-    let model = llama::Llama::load(vb, &cfg)?;
+    let model = Llama::new(&cfg, vb)?;
     init::reinit(&varmap, 17, 0.05)?;
     let opt = AdamW::new(
         varmap.all_vars(),
@@ -57,8 +56,7 @@ where
     let mut steps = 0;
     for batch in loader.iter() {
         let (x, y) = batch?;
-        let target = y.narrow(1, CONTEXT - 1, 1)?.squeeze(1)?.contiguous()?;
-        let loss = loss_of(&model.forward(&x, 0, &mut cache)?, &target)?;
+        let loss = loss_of(&model.forward(&x)?, &y)?;
         let grads = acc.backward(&loss)?;
         opt.step(&grads)?;
         if acc.sync_gradients() {

@@ -1,6 +1,7 @@
 //! The llama example trained from a corpus on disk, as a pre-training job reads one: the
 //! program writes a text of numbered 32-byte lines and its byte-level token file (u16 ids, as
-//! nanoGPT's `.bin`), then trains a small candle-transformers Llama on windows of that file,
+//! nanoGPT's `.bin`), then trains a small Llama (ivme's trainable family, every position predicting its next
+//! byte) on windows of that file,
 //! read from disk batch by batch and built two batches ahead on a background thread
 //! (`prefetch(2)`), under `#[accelerate]`. A run stopped mid-epoch resumes on any number of
 //! processes: the loader's position is saved in the checkpoint by samples.
@@ -32,7 +33,7 @@ use arrow_array::{ArrayRef, RecordBatch, StringArray};
 use bytes_llama::{config, loss_of};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{Optimizer, VarBuilder, VarMap};
-use candle_transformers::models::llama;
+use ivme::models::llama::Llama;
 use ivme::data::{
     ArrowFiles, DataLoader, Dataset, Packed, ParquetFiles, Row, TextLines, TokenFile, TokenWidth,
 };
@@ -212,8 +213,7 @@ fn fit(
     let cfg = config();
     let varmap = VarMap::new();
     let vb = VarBuilder::from_varmap(&varmap, DType::F32, &device);
-    let mut cache = llama::Cache::new(false, vb.dtype(), &cfg, vb.device())?;
-    let model = llama::Llama::load(vb, &cfg)?;
+    let model = Llama::new(&cfg, vb)?;
     init::reinit(&varmap, 17, 0.05)?;
     let mut opt = AdamW::new(
         varmap.all_vars(),
@@ -245,11 +245,8 @@ fn fit(
             for row in x.to_vec2::<u32>()? {
                 log(format!("{epoch} {}", line_of(&row)))?;
             }
-            // candle-transformers' Llama gives the last position's logits: its target is the
-            // window's last next-token target.
-            let last = y.narrow(1, CONTEXT - 1, 1)?.squeeze(1)?.contiguous()?;
-            let logits = model.forward(&x, 0, &mut cache)?;
-            let loss = loss_of(&logits, &last)?;
+            // Every position predicts its next token.
+            let loss = loss_of(&model.forward(&x)?, &y)?;
             let grads = loss.backward()?;
             opt.step(&grads)?;
             total += loss.to_scalar::<f32>()?;

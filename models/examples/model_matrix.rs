@@ -8,7 +8,9 @@
 //! ```
 //!
 //! FAMILY is one of `llama`, `qwen2`, `xlmr`, `bert`, `vit`, `t5`, `llama2c`, `mistral`, `phi3`
-//! (examples/support/models.rs). BatchNorm models are not here: their batch statistics couple
+//! (candle-transformers' models) or `ivme_llama`, `ivme_mistral`, `ivme_qwen2` (ivme's trainable
+//! llama family) (examples/support/models.rs). The plain run prints `reached R of T`: how many
+//! of the model's T variables the first backward pass gave a gradient. BatchNorm models are not here: their batch statistics couple
 //! the samples of a micro-batch, so the one-big-batch reference does not apply; the conv net
 //! with BatchNorm is checked in tests/buffers.rs against a reference that simulates the ranks.
 //! The precision comes from the launcher (`--mixed_precision`, or `IVME_PRECISION`).
@@ -80,9 +82,17 @@ fn plain(family: &str, world: usize, out: &Path) -> candle_core::Result<()> {
     let (xs, ys): (Vec<Tensor>, Vec<Tensor>) = batches.into_iter().unzip();
     let (xs, ys) = (Tensor::cat(&xs, 0)?, Tensor::cat(&ys, 0)?);
     let mut losses = Vec::new();
-    for _ in 0..EPOCHS {
+    for epoch in 0..EPOCHS {
         let loss = task.loss(&xs, &ys)?;
-        opt.backward_step(&loss)?;
+        let grads = loss.backward()?;
+        if epoch == 0 {
+            // How much of the model the loss reaches: all of it for ivme's families, the
+            // output head alone for candle-transformers' llama (fused ops without a backward).
+            let vars = varmap.all_vars();
+            let reached = vars.iter().filter(|v| grads.get(v).is_some()).count();
+            println!("reached {reached} of {}", vars.len());
+        }
+        opt.step(&grads)?;
         losses.push(loss.to_scalar::<f32>()?);
     }
     report(out, "plain", 0, &varmap, &losses)

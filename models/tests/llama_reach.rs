@@ -1,29 +1,33 @@
-//! candle-transformers' Llama computes its norms and attention softmax with candle-nn's fused
-//! ops, which have no backward pass: `loss.backward()` reaches the output head only. The llama
-//! example trains through ivme, which must say so instead of training silently the head alone.
+//! How much of a Llama the loss reaches. candle-transformers' Llama computes its norms and
+//! attention softmax with candle-nn's fused ops, which have no backward pass: `loss.backward()`
+//! reaches its output head only, and ivme must say so instead of training the head silently.
+//! ivme's own llama family (`ivme::models::llama`, which the llama example trains) reaches
+//! every weight, and ivme says nothing.
 
 #[path = "../examples/support/bytes_llama.rs"]
+#[allow(dead_code)]
 mod bytes_llama;
 #[path = "../../tests/common/mod.rs"]
 mod common;
+#[path = "../examples/support/models.rs"]
+#[allow(dead_code)]
+mod models;
 
 use candle_core::{DType, Device};
 use candle_nn::{VarBuilder, VarMap};
-use candle_transformers::models::llama;
 use common::{example_bin, launch, text, Scratch};
 
-/// What plain candle's backward reaches of the example's model: the variables it leaves
-/// without a gradient (sorted) and how many variables there are.
-fn unreached_in_plain_candle() -> (Vec<String>, usize) {
+/// The variables of `family` (examples/support/models.rs) that plain candle's backward leaves
+/// without a gradient (sorted), and how many variables there are.
+fn unreached_in_plain_candle(family: &str) -> (Vec<String>, usize) {
     let varmap = VarMap::new();
-    let cfg = bytes_llama::config();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
-    let model = llama::Llama::load(vb, &cfg).unwrap();
-    let mut cache = llama::Cache::new(false, DType::F32, &cfg, &Device::Cpu).unwrap();
-    let (train, _) = bytes_llama::batches(&bytes_llama::text()).unwrap();
-    let (x, y) = &train[0];
-    let loss = bytes_llama::loss_of(&model.forward(x, 0, &mut cache).unwrap(), y).unwrap();
-    let grads = loss.backward().unwrap();
+    let mut task = models::build(
+        family,
+        VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu),
+    )
+    .unwrap();
+    let (x, y) = models::batches(family, 1, 3).unwrap().remove(0);
+    let grads = task.loss(&x, &y).unwrap().backward().unwrap();
     let data = varmap.data().lock().unwrap();
     let mut missing: Vec<String> = data
         .iter()
@@ -35,12 +39,46 @@ fn unreached_in_plain_candle() -> (Vec<String>, usize) {
 }
 
 #[test]
-fn the_llama_example_is_told_which_variables_its_loss_never_reaches() {
-    let (missing, total) = unreached_in_plain_candle();
+fn candle_transformers_llama_is_told_which_variables_its_loss_never_reaches() {
+    let (missing, total) = unreached_in_plain_candle("llama");
     assert!(
         !missing.is_empty(),
         "candle's fused ops got a backward: update this test"
     );
+    let dir = Scratch::new("llama-reach-ct");
+    // 6 optimizer steps of 2 micro-batches: more than the 8 backward passes ivme watches.
+    let o = launch(
+        1,
+        &example_bin("model_matrix"),
+        &["llama", "hand", dir.0.to_str().unwrap()],
+        &[],
+    );
+    let (stdout, stderr) = text(&o);
+    assert!(o.status.success(), "{stdout}\n{stderr}");
+    let said = format!("{} of {total} trained variables", missing.len());
+    assert!(stderr.contains(&said), "expected `{said}`:\n{stderr}");
+    assert!(
+        stderr.contains(&format!("first 8 backward passes: {}", missing[0])),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("ivme::nn") && stderr.contains("ivme::models"),
+        "names what to use instead: {stderr}"
+    );
+    assert_eq!(stderr.matches("got no gradient").count(), 1, "once: {stderr}");
+}
+
+#[test]
+fn ivme_llama_family_reaches_every_variable() {
+    for family in models::IVME_FAMILIES {
+        let (missing, total) = unreached_in_plain_candle(family);
+        assert!(total > 20, "{family}: {total} variables");
+        assert!(missing.is_empty(), "{family}: unreached {missing:?}");
+    }
+}
+
+#[test]
+fn the_llama_example_trains_every_variable_without_a_warning() {
     let dir = Scratch::new("llama-reach");
     let project = format!("project={}", dir.0.join("run").display());
     // 4 optimizer steps of 2 micro-batches: the 8 backward passes ivme watches.
@@ -52,15 +90,9 @@ fn the_llama_example_is_told_which_variables_its_loss_never_reaches() {
     );
     let (stdout, stderr) = text(&o);
     assert!(o.status.success(), "{stdout}\n{stderr}");
-    let said = format!("{} of {total} trained variables", missing.len());
-    assert!(stderr.contains(&said), "expected `{said}`:\n{stderr}");
     assert!(
-        stderr.contains(&format!("first 8 backward passes: {}", missing[0])),
-        "{stderr}"
+        !stderr.contains("got no gradient"),
+        "every variable of the example's model trains: {stderr}"
     );
-    assert_eq!(
-        stderr.matches("got no gradient").count(),
-        1,
-        "once, by rank 0: {stderr}"
-    );
+    assert!(stdout.contains("stopping after 4 steps"), "{stdout}");
 }

@@ -1,6 +1,8 @@
 //! The model matrix: small random-init candle-transformers 0.11.1 models, their code unchanged,
-//! trained by ivme by hand and as a plain loop under `#[accelerate]`, in f32, bf16 and fp16, on
-//! 1 and 2 real processes, the 2-process runs under ZeRO stages 0, 1 and 2 (`models/examples/model_matrix.rs`).
+//! and ivme's trainable llama family (`ivme_*`), trained by ivme by hand and as a plain loop
+//! under `#[accelerate]`, in f32, bf16 and fp16, on 1 and 2 real processes (ivme's families on
+//! 3 too), the 2-process runs under ZeRO stages 0, 1 and 2 (`models/examples/model_matrix.rs`).
+//! The plain run of an ivme family must reach every variable with its first backward pass.
 //!
 //! - Every run that can work must: its loss finite and falling on every rank, the ranks'
 //!   weights identical, the macro's weights identical to the by-hand ones, and in f32 the
@@ -69,7 +71,8 @@ fn run(family: &str, way: &str, n: usize, precision: &str, stage: &str) -> Resul
     Ok(run)
 }
 
-/// Plain candle's weights for the same data and steps as `world` processes take.
+/// Plain candle's weights for the same data and steps as `world` processes take. For ivme's
+/// families, the first backward pass must reach every variable.
 fn plain(family: &str, world: usize) -> HashMap<String, Tensor> {
     let dir = Scratch::new(&format!("matrix-{family}-plain-{world}"));
     let o = std::process::Command::new(example_bin("model_matrix"))
@@ -78,6 +81,14 @@ fn plain(family: &str, world: usize) -> HashMap<String, Tensor> {
         .expect("running the plain reference");
     let (stdout, stderr) = text(&o);
     assert!(o.status.success(), "plain {family}\n{stdout}\n{stderr}");
+    if family.starts_with("ivme_") {
+        let line = stdout.lines().find(|l| l.starts_with("reached ")).unwrap_or_default();
+        let words: Vec<&str> = line.split_whitespace().collect();
+        assert!(
+            words.len() == 4 && words[1] == words[3],
+            "{family}: the loss must reach every variable: `{line}`"
+        );
+    }
     load(&dir.0.join("plain-rank0.safetensors"))
 }
 
@@ -112,7 +123,12 @@ fn max_diff(a: &HashMap<String, Tensor>, b: &HashMap<String, Tensor>) -> f32 {
 /// Trains `family` in `precision` every way on 1 process, and on 2 under every sharding
 /// stage (ZeRO 0, 1 and 2), and checks each run.
 fn trains(family: &str, precision: &str) {
-    for (n, stage) in [(1, "no"), (2, "no"), (2, "optimizer"), (2, "gradients")] {
+    let mut worlds = vec![(1, "no"), (2, "no"), (2, "optimizer"), (2, "gradients")];
+    if family.starts_with("ivme_") {
+        // ivme's own families train every weight: they are checked on 3 processes too.
+        worlds.push((3, "no"));
+    }
+    for (n, stage) in worlds {
         let reference = (precision == "no").then(|| plain(family, n));
         let mut by_way = Vec::new();
         for way in ["hand", "macro"] {
@@ -292,6 +308,35 @@ fn mistral_bf16() {
 #[test]
 fn mistral_fp16() {
     trains("mistral", "fp16");
+}
+
+#[test]
+fn ivme_llama_f32() {
+    trains("ivme_llama", "no");
+}
+#[test]
+fn ivme_llama_bf16() {
+    trains("ivme_llama", "bf16");
+}
+#[test]
+fn ivme_llama_fp16() {
+    trains("ivme_llama", "fp16");
+}
+#[test]
+fn ivme_mistral_f32() {
+    trains("ivme_mistral", "no");
+}
+#[test]
+fn ivme_mistral_bf16() {
+    trains("ivme_mistral", "bf16");
+}
+#[test]
+fn ivme_qwen2_f32() {
+    trains("ivme_qwen2", "no");
+}
+#[test]
+fn ivme_qwen2_fp16() {
+    trains("ivme_qwen2", "fp16");
 }
 
 #[test]

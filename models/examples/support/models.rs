@@ -26,9 +26,14 @@ pub const IMAGE: usize = 8;
 pub const CLASSES: usize = 4;
 
 /// The model families of the matrix, by the name the example takes on its command line.
-pub const FAMILIES: [&str; 9] = [
+pub const FAMILIES: [&str; 12] = [
     "llama", "qwen2", "xlmr", "bert", "vit", "t5", "llama2c", "mistral", "phi3",
+    "ivme_llama", "ivme_mistral", "ivme_qwen2",
 ];
+
+/// The families built on ivme's trainable models (`ivme::models`): every variable trains.
+#[allow(dead_code)] // read by the tests that include this file
+pub const IVME_FAMILIES: [&str; 3] = ["ivme_llama", "ivme_mistral", "ivme_qwen2"];
 
 /// A model and the loss of one batch of its task.
 pub trait Task {
@@ -68,6 +73,24 @@ impl Task for Qwen2 {
         let hidden = self.model.forward(inputs, 0, None)?;
         let logits = self.head.forward(&hidden)?.flatten_to(1)?;
         cross_entropy(&logits, &targets.flatten_all()?)
+    }
+}
+
+/// ivme's llama family (`ivme::models::llama`): logits at every position, each predicting the
+/// next token, through norms, rotary embeddings and attention that all have a backward pass.
+struct IvmeLlama {
+    model: ivme::models::llama::Llama,
+}
+
+impl Task for IvmeLlama {
+    fn loss(&mut self, inputs: &Tensor, targets: &Tensor) -> candle_core::Result<Tensor> {
+        let logits = self.model.forward(inputs)?;
+        let (b, t, v) = logits.dims3()?;
+        ivme::models::token_loss(
+            &logits.reshape((b * t, v))?,
+            &targets.flatten_all()?,
+            ivme::models::IGNORE_INDEX,
+        )
     }
 }
 
@@ -325,6 +348,24 @@ pub fn build(family: &str, vb: VarBuilder) -> candle_core::Result<Box<dyn Task>>
                 model: phi3::Model::new(&cfg, vb)?,
             })
         }
+        "ivme_llama" | "ivme_mistral" | "ivme_qwen2" => {
+            // The same shape as the candle-transformers families above, in transformers'
+            // config.json form: Mistral with a window shorter than the sequence, Qwen2 with
+            // its query/key/value biases and a tied head.
+            let model_type = family.trim_start_matches("ivme_");
+            let cfg = ivme::models::llama::LlamaConfig::from_json(&format!(
+                r#"{{"model_type": "{model_type}", "hidden_size": 32, "intermediate_size": 64,
+                    "vocab_size": {VOCAB}, "num_hidden_layers": 2, "num_attention_heads": 4,
+                    "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+                    "max_position_embeddings": 64, "sliding_window": 4,
+                    "tie_word_embeddings": {}}}"#,
+                model_type == "qwen2"
+            ))
+            .map_err(candle_core::Error::wrap)?;
+            Box::new(IvmeLlama {
+                model: ivme::models::llama::Llama::new(&cfg, vb)?,
+            })
+        }
         other => candle_core::bail!("unknown model family `{other}`; one of {FAMILIES:?}"),
     })
 }
@@ -355,7 +396,7 @@ pub fn batches(
                     (x, y)
                 }
                 // Every position's target is its token plus one.
-                "qwen2" | "llama2c" => {
+                "qwen2" | "llama2c" | "ivme_llama" | "ivme_mistral" | "ivme_qwen2" => {
                     let y: Vec<u32> = (0..ids.len()).map(next).collect();
                     (
                         Tensor::from_vec(ids.clone(), (BATCH, SEQ), &dev)?,

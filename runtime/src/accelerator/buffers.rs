@@ -78,9 +78,10 @@ impl Accelerator {
              first {} backward passes: {}{more}. The loss does not reach them, so their optimizer \
              never changes them. An op without a backward pass cuts the graph: candle-nn's fused \
              ops::rms_norm, ops::softmax_last_dim and ops::layer_norm (the fast paths \
-             candle-transformers' models take) compute no gradient; use differentiable forms \
-             (e.g. RmsNorm::forward_diff, ops::softmax) or leave these variables out of the \
-             optimizer to freeze them on purpose",
+             candle-transformers' models take) compute no gradient; use ivme::nn's differentiable \
+             fused ops (rms_norm, softmax_last_dim, rope, attention) or a trainable model of \
+             ivme::models (docs/models.md), or leave these variables out of the optimizer to \
+             freeze them on purpose",
             u.names.len(),
             u.trained,
             elems as f64 / 1e6,
