@@ -3,20 +3,18 @@
 
 The same sizes, step and timing as models/examples/bench_llama.rs (1 process, 2 threads) and
 bench_llama_ddp.rs (2 processes x 1 thread, DDP over gloo, started by torchrun): 2 micro-batches
-of seeded random tokens, the loss on the last position's logits (transformers' Llama with
-logits_to_keep=1), global-norm clipping at 1.0, torch.optim.AdamW (lr 3e-4); one warm-up step,
-then the timed steps. Every (system, size) measurement runs in a process (or torchrun job) of
-its own; rounds alternate the order; medians.
-
-With --head-only the model's body runs under torch.no_grad() and only the output head gets a
-gradient: the work candle does for the same step, since candle-nn's fused rms_norm and softmax
-(which candle-transformers' Llama uses) have no backward pass and the loss reaches lm_head only.
+of seeded random tokens, the loss on every position's logits against a random target each
+(transformers' LlamaForCausalLM, every parameter trained, as ivme's models::llama::Llama is),
+global-norm clipping at 1.0, torch.optim.AdamW (lr 3e-4); one warm-up step, then the timed
+steps. Every (system, size) measurement runs in a process (or torchrun job) of its own; rounds
+alternate the order; medians. Each measurement also reports rank 0's peak resident memory
+(ru_maxrss) in MiB.
 
 Never part of CI and never a dependency of the crates: it runs only where
 `python3 -c "import torch, transformers, accelerate"` works (scripts/bench-pytorch.sh makes a
 virtual environment for it).
 
-    python3 scripts/bench_pytorch.py [--rounds 3] [--sizes T,S,M] [--processes 1|2] [--head-only]
+    python3 scripts/bench_pytorch.py [--rounds 3] [--sizes T,S,M] [--processes 1|2] [--bf16]
 """
 
 import argparse
@@ -36,7 +34,7 @@ SIZES = {
 LR = 3e-4
 
 
-def one(system, size, head_only=False):
+def one(system, size, bf16=False):
     """One measurement; prints ms per step (rank 0 only under torchrun)."""
     import torch
     import torch.distributed as dist
@@ -63,21 +61,17 @@ def one(system, size, head_only=False):
     data = [
         (
             torch.randint(0, vocab, (batch, tokens), generator=gen),
-            torch.randint(0, vocab, (batch,), generator=gen),
+            torch.randint(0, vocab, (batch, tokens), generator=gen),
         )
         for _ in range(2)
     ]
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
 
     def loss_of(m, x, y):
-        if head_only:
-            inner = m.module if hasattr(m, "module") else m
-            with torch.no_grad():
-                h = inner.model(input_ids=x).last_hidden_state[:, -1, :]
-            logits = inner.lm_head(h)
-        else:
-            logits = m(input_ids=x, logits_to_keep=1).logits[:, -1, :]
-        return torch.nn.functional.cross_entropy(logits.float(), y)
+        # --bf16: mixed precision as ivme's bf16 is (f32 weights and optimizer, bf16 compute).
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            logits = m(input_ids=x).logits
+        return torch.nn.functional.cross_entropy(logits.float().reshape(-1, vocab), y.reshape(-1))
 
     if system == "accelerate":
         from accelerate import Accelerator
@@ -124,7 +118,9 @@ def one(system, size, head_only=False):
     barrier()
     ms = (time.perf_counter() - start) * 1e3 / steps
     if rank == 0:
-        print(ms)
+        import resource
+
+        print(ms, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     if world > 1 and system != "accelerate":
         dist.destroy_process_group()
 
@@ -137,8 +133,9 @@ class _Nothing:
         return False
 
 
-def job(system, size, processes, head_only):
-    """One measurement in a process (or torchrun job) of its own: rank 0's ms per step."""
+def job(system, size, processes, bf16):
+    """One measurement in a process (or torchrun job) of its own: rank 0's ms per step and
+    peak MiB."""
     me = os.path.abspath(__file__)
     if processes == 1:
         cmd = [sys.executable, me, "one", system, size]
@@ -147,13 +144,14 @@ def job(system, size, processes, head_only):
             sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
             "--master_port", "29533", me, "one", system, size,
         ]
-    if head_only:
-        cmd.append("head")
+    if bf16:
+        cmd.append("bf16")
     env = dict(os.environ, OMP_NUM_THREADS="2" if processes == 1 else "1")
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     for line in out.stdout.splitlines():
         try:
-            return float(line.strip())
+            ms, peak = (float(w) for w in line.split())
+            return ms, peak
         except ValueError:
             continue
     raise SystemExit(f"{' '.join(cmd)} printed no time:\n{out.stdout}\n{out.stderr}")
@@ -161,13 +159,13 @@ def job(system, size, processes, head_only):
 
 def main():
     if len(sys.argv) > 1 and sys.argv[1] == "one":
-        one(sys.argv[2], sys.argv[3], len(sys.argv) > 4 and sys.argv[4] == "head")
+        one(sys.argv[2], sys.argv[3], len(sys.argv) > 4 and sys.argv[4] == "bf16")
         return
     p = argparse.ArgumentParser()
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--sizes", default="T,S,M")
     p.add_argument("--processes", type=int, default=1)
-    p.add_argument("--head-only", action="store_true")
+    p.add_argument("--bf16", action="store_true")
     a = p.parse_args()
     import accelerate
     import torch
@@ -176,19 +174,23 @@ def main():
     print(
         f"PyTorch {torch.__version__}, transformers {transformers.__version__}, Accelerate "
         f"{accelerate.__version__}; llama step on {a.processes} process(es), {a.rounds} rounds "
-        "(medians), each system in a process or job of its own"
-        + ("; only the head trained (the body under no_grad)" if a.head_only else "")
+        f"(medians), {'bf16 autocast' if a.bf16 else 'f32'}, each system in a process or job of its own"
     )
-    print("| size | PyTorch ms/step | PyTorch + Accelerate ms/step |")
-    print("|---|---|---|")
+    print("| size | PyTorch ms/step | PyTorch + Accelerate ms/step | PyTorch peak MiB | + Accelerate peak MiB |")
+    print("|---|---|---|---|---|")
     for size in a.sizes.split(","):
         times = {"torch": [], "accelerate": []}
+        peaks = {"torch": 0.0, "accelerate": 0.0}
         for r in range(a.rounds):
             order = ["torch", "accelerate"] if r % 2 == 0 else ["accelerate", "torch"]
             for system in order:
-                times[system].append(job(system, size, a.processes, a.head_only))
+                ms, peak = job(system, size, a.processes, a.bf16)
+                times[system].append(ms)
+                peaks[system] = max(peaks[system], peak)
         t, acc = statistics.median(times["torch"]), statistics.median(times["accelerate"])
-        print(f"| {size} | {t:.1f} | {acc:.1f} |")
+        print(
+            f"| {size} | {t:.1f} | {acc:.1f} | {peaks['torch']:.0f} | {peaks['accelerate']:.0f} |"
+        )
 
 
 if __name__ == "__main__":

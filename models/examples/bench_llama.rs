@@ -1,13 +1,14 @@
-//! A candle-transformers Llama's training step through ivme against the same step written by
-//! hand in plain candle, at four model sizes, each system in a process of its own.
+//! A Llama's full training step (ivme's trainable `models::llama::Llama`: every weight gets a
+//! gradient) through ivme against the same step written by hand in plain candle over the same
+//! model, at four model sizes, each system in a process of its own, with its peak memory.
 //!
 //! ```text
 //! cargo build --release -p ivme-models --examples
 //! target/release/examples/bench_llama [rounds=3] [sizes=T,S,M,L] [f32|bf16]
 //! ```
 //!
-//! The step: 2 micro-batches, global-norm clipping at 1.0, AdamW (lr 3e-4), the loss on the
-//! last position's logits. The plain loop sums the two gradient stores, clips and steps
+//! The step: 2 micro-batches, global-norm clipping at 1.0, AdamW (lr 3e-4), the loss on every
+//! position's logits against a random target each. The plain loop sums the two gradient stores, clips and steps
 //! candle-nn's AdamW itself; ivme's is an `Accelerator` with `grad_accum(2)`,
 //! `clip_grad_norm(1.0)` and its own AdamW. Every (system, size, allocator) measurement runs
 //! in a process of its own (timing both in one process misleads: glibc's dynamic mmap threshold
@@ -21,7 +22,8 @@
 //! 256, 4 layers, vocab 4096, batch 8 × 64 (5 M); M hidden 512, 6 layers, vocab 8192, batch
 //! 4 × 128 (31 M); L hidden 768, 12 layers, vocab 16384, batch 2 × 128 (103 M).
 //!
-//! `bench_llama one SYSTEM SIZE STEPS PRECISION` runs one measurement and prints ms per step.
+//! `bench_llama one SYSTEM SIZE PRECISION` runs one measurement and prints ms per step and the
+//! process's peak resident memory (VmHWM) in MiB.
 //!
 //! `bench_llama profile [rounds=5] [sizes=T,S]` measures what a profile costs: ivme's step with
 //! and without `IVME_PROFILE` (each in its own process, rounds alternating, f32, glibc tuned).
@@ -39,6 +41,8 @@ static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 mod init;
 #[path = "support/llama_sizes.rs"]
 mod llama_sizes;
+#[path = "../../examples/support/peak_rss.rs"]
+mod peak_rss;
 #[path = "../../examples/support/rounds.rs"]
 mod rounds;
 
@@ -52,7 +56,7 @@ use std::time::Instant;
 /// warm-up step.
 fn plain(s: &Size, dtype: DType) -> candle_core::Result<f64> {
     let varmap = VarMap::new();
-    let (model, mut cache) = model(s, &varmap, dtype)?;
+    let model = model(s, &varmap, dtype)?;
     let data = data(s)?;
     let vars = varmap.all_vars();
     let mut opt = candle_nn::AdamW::new(
@@ -65,7 +69,7 @@ fn plain(s: &Size, dtype: DType) -> candle_core::Result<f64> {
     let mut step = || -> candle_core::Result<()> {
         let mut sum: Option<candle_core::backprop::GradStore> = None;
         for (x, y) in &data {
-            let loss = (loss_of(&model.forward(x, 0, &mut cache)?, y)? / 2.0)?;
+            let loss = (loss_of(&model.forward(x)?, y)? / 2.0)?;
             let grads = loss.backward()?;
             sum = Some(match sum {
                 None => grads,
@@ -164,7 +168,8 @@ fn profile_cost(args: &[String]) -> ivme::Result<()> {
             };
             for profile in order {
                 let envs: &[(&str, &str)] = if profile { &profiled } else { &tuned };
-                let ms = rounds::in_own_process(&["one", "ivme", s.name, "f32"], envs)?;
+                let (ms, _) =
+                    rounds::in_own_process_with_peak(&["one", "ivme", s.name, "f32"], envs)?;
                 if profile {
                     on.push(ms)
                 } else {
@@ -188,7 +193,7 @@ fn main() -> ivme::Result<()> {
             "plain" => plain(s, precision.compute_dtype())?,
             _ => accelerated(s, precision)?,
         };
-        println!("{ms}");
+        println!("{ms} {}", peak_rss::peak_rss_mb());
         return Ok(());
     }
     if args.first().map(String::as_str) == Some("profile") {
@@ -217,9 +222,10 @@ fn main() -> ivme::Result<()> {
         std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| "unset".into())
     );
     println!(
-        "| size | parameters | allocator | plain candle ms/step | ivme ms/step | ivme / candle |"
+        "| size | parameters | allocator | plain candle ms/step | ivme ms/step | ivme / candle \
+         | plain candle peak MiB | ivme peak MiB |"
     );
-    println!("|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|");
     for s in sizes {
         let params = {
             let varmap = VarMap::new();
@@ -232,6 +238,7 @@ fn main() -> ivme::Result<()> {
         };
         for (label, envs) in [("glibc defaults", &[][..]), ("tuned", &tuned[..])] {
             let (mut p, mut a) = (Vec::new(), Vec::new());
+            let (mut p_peak, mut a_peak) = (0f64, 0f64);
             for round in 0..rounds {
                 let systems = if round % 2 == 0 {
                     ["plain", "ivme"]
@@ -239,13 +246,20 @@ fn main() -> ivme::Result<()> {
                     ["ivme", "plain"]
                 };
                 for system in systems {
-                    let ms = rounds::in_own_process(&["one", system, s.name, word], envs)?;
-                    if system == "plain" { &mut p } else { &mut a }.push(ms);
+                    let (ms, peak) =
+                        rounds::in_own_process_with_peak(&["one", system, s.name, word], envs)?;
+                    if system == "plain" {
+                        p.push(ms);
+                        p_peak = p_peak.max(peak);
+                    } else {
+                        a.push(ms);
+                        a_peak = a_peak.max(peak);
+                    }
                 }
             }
             let (p, a) = (median(p), median(a));
             println!(
-                "| {} | {:.1} M | {label} | {p:.1} | {a:.1} | {:.3} |",
+                "| {} | {:.1} M | {label} | {p:.1} | {a:.1} | {:.3} | {p_peak:.0} | {a_peak:.0} |",
                 s.name,
                 params as f64 / 1e6,
                 a / p

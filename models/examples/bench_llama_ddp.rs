@@ -1,15 +1,15 @@
-//! A candle-transformers Llama trained on 2 processes through ivme against the same
-//! data-parallel step written by hand with candle and MPI, each system in a job of its own,
-//! started by `ivme launch` and by plain `mpirun`.
+//! A Llama's full training step (ivme's trainable `models::llama::Llama`) on 2 processes through
+//! ivme against the same data-parallel step written by hand with candle and MPI, each system in
+//! a job of its own, started by `ivme launch` and by plain `mpirun`.
 //!
 //! ```text
 //! cargo build --release --workspace --bins --examples
 //! target/release/examples/bench_llama_ddp [rounds=3] [sizes=T,S,M]
 //! ```
 //!
-//! The step on each rank: 2 micro-batches of the size's shape, the loss on the last position's
-//! logits, global-norm clipping at 1.0, AdamW (lr 3e-4). The hand-written loop sums the two
-//! micro-batches' gradients into one host buffer (variables in name order), one blocking
+//! The step on each rank: 2 micro-batches of the size's shape, the loss on every position's
+//! logits against a random target each, global-norm clipping at 1.0, AdamW (lr 3e-4). The
+//! hand-written loop sums the two micro-batches' gradients into one host buffer (variables in name order), one blocking
 //! `MPI_Allreduce` into a second buffer kept across steps, divides by the world size, clips on
 //! the host and steps candle-nn's AdamW; ivme's is an `Accelerator` with `grad_accum(2)`,
 //! `clip_grad_norm(1.0)` and its AdamW. Every (system, size, starter) measurement is a job of
@@ -40,7 +40,7 @@ fn hand(s: &Size) -> ivme::Result<Option<f64>> {
     let universe = mpi::initialize().ok_or_else(|| ivme::Error::Usage("MPI twice".into()))?;
     let world = universe.world();
     let varmap = VarMap::new();
-    let (model, mut cache) = model(s, &varmap, DType::F32)?;
+    let model = model(s, &varmap, DType::F32)?;
     let batches = data(s)?;
     let mut vars: Vec<(String, Var)> = varmap
         .data()
@@ -64,7 +64,7 @@ fn hand(s: &Size) -> ivme::Result<Option<f64>> {
     let mut step = || -> ivme::Result<()> {
         send.iter_mut().for_each(|x| *x = 0.0);
         for (x, y) in &batches {
-            let loss = (loss_of(&model.forward(x, 0, &mut cache)?, y)? / 2.0)?;
+            let loss = (loss_of(&model.forward(x)?, y)? / 2.0)?;
             let grads = loss.backward()?;
             let mut at = 0;
             for v in &vars {

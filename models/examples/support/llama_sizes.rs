@@ -1,9 +1,12 @@
 //! The llama benchmarks' model sizes, their configs, seeded data and the step's loss, shared by
-//! `bench_llama` (one process) and `bench_llama_ddp` (two).
+//! `bench_llama` (one process) and `bench_llama_ddp` (two). The model is ivme's trainable Llama
+//! (`ivme::models::llama`): logits at every position, each against its own target, and every
+//! weight gets a gradient, the full training step PyTorch's `LlamaForCausalLM` takes.
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{VarBuilder, VarMap};
-use candle_transformers::models::llama;
+use ivme::models::llama::{Flavor, Llama, LlamaConfig};
+use ivme::models::{token_loss, IGNORE_INDEX};
 use ivme::rng::Rng;
 
 pub const LR: f64 = 3e-4;
@@ -73,58 +76,63 @@ pub const SIZES: [Size; 4] = [
     },
 ];
 
-pub fn config(s: &Size) -> llama::Config {
-    llama::LlamaConfig {
+pub fn config(s: &Size) -> LlamaConfig {
+    LlamaConfig {
+        flavor: Flavor::Llama,
+        vocab_size: s.vocab,
         hidden_size: s.hidden,
         intermediate_size: s.mlp,
-        vocab_size: s.vocab,
         num_hidden_layers: s.layers,
         num_attention_heads: s.heads,
-        num_key_value_heads: Some(s.kv_heads),
+        num_key_value_heads: s.kv_heads,
+        head_dim: s.hidden / s.heads,
         rms_norm_eps: 1e-5,
         rope_theta: 10_000.0,
-        bos_token_id: None,
-        eos_token_id: None,
         rope_scaling: None,
         max_position_embeddings: s.tokens,
-        tie_word_embeddings: Some(false),
+        tie_word_embeddings: false,
+        qkv_bias: false,
+        o_bias: false,
+        mlp_bias: false,
+        sliding_window: None,
+        fused: false,
     }
-    .into_config(false)
 }
 
 pub type Batch = (Tensor, Tensor);
 
-/// Two micro-batches of seeded random tokens and their targets.
+/// Two micro-batches of seeded random tokens and a seeded random target at every position.
 pub fn data(s: &Size) -> candle_core::Result<Vec<Batch>> {
     let mut rng = Rng::new(7);
     let mut token = || (rng.next_u64() % s.vocab as u64) as u32;
     (0..2)
         .map(|_| {
             let x: Vec<u32> = (0..s.batch * s.tokens).map(|_| token()).collect();
-            let y: Vec<u32> = (0..s.batch).map(|_| token()).collect();
+            let y: Vec<u32> = (0..s.batch * s.tokens).map(|_| token()).collect();
             Ok((
                 Tensor::from_vec(x, (s.batch, s.tokens), &Device::Cpu)?,
-                Tensor::from_vec(y, s.batch, &Device::Cpu)?,
+                Tensor::from_vec(y, (s.batch, s.tokens), &Device::Cpu)?,
             ))
         })
         .collect()
 }
 
-pub fn model(
-    s: &Size,
-    varmap: &VarMap,
-    dtype: DType,
-) -> candle_core::Result<(llama::Llama, llama::Cache)> {
-    let cfg = config(s);
+pub fn model(s: &Size, varmap: &VarMap, dtype: DType) -> candle_core::Result<Llama> {
     let vb = VarBuilder::from_varmap(varmap, dtype, &Device::Cpu);
-    let cache = llama::Cache::new(false, dtype, &cfg, &Device::Cpu)?;
-    let model = llama::Llama::load(vb, &cfg)?;
+    let model = Llama::new(&config(s), vb)?;
     super::init::reinit(varmap, 17, 0.02)?;
-    Ok((model, cache))
+    Ok(model)
 }
 
+/// The mean cross-entropy of every position's logits `(b, t, vocab)` against its target
+/// `(b, t)`, in f32.
 pub fn loss_of(logits: &Tensor, targets: &Tensor) -> candle_core::Result<Tensor> {
-    candle_nn::loss::cross_entropy(&logits.to_dtype(DType::F32)?, targets)
+    let (b, t, v) = logits.dims3()?;
+    token_loss(
+        &logits.reshape((b * t, v))?,
+        &targets.flatten_all()?,
+        IGNORE_INDEX,
+    )
 }
 
 pub fn median(mut v: Vec<f64>) -> f64 {
@@ -148,7 +156,7 @@ pub fn ivme_step(
 ) -> ivme::Result<impl FnMut(&mut ivme::Accelerator) -> ivme::Result<()>> {
     use candle_nn::Optimizer;
     let varmap = VarMap::new();
-    let (model, mut cache) = model(s, &varmap, acc.param_dtype(DType::F32))?;
+    let model = model(s, &varmap, acc.param_dtype(DType::F32))?;
     let batches = data(s)?;
     let opt = ivme::optim::AdamW::new(
         varmap.all_vars(),
@@ -161,7 +169,7 @@ pub fn ivme_step(
     Ok(move |acc: &mut ivme::Accelerator| -> ivme::Result<()> {
         let _prepared = &varmap;
         for (x, y) in &batches {
-            let loss = loss_of(&model.forward(x, 0, &mut cache)?, y)?;
+            let loss = loss_of(&model.forward(x)?, y)?;
             let grads = acc.backward(&loss)?;
             opt.step(&grads)?;
         }
