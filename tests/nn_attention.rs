@@ -320,6 +320,16 @@ fn matches_composed_on_strided_inputs() {
         &prep,
         &Attention::causal().with_softcap(2.),
     );
+    // k and v with their last two dims swapped in memory (the head_dim is not unit-stride).
+    let bases = [
+        rand(&[1, 2, 6, 4], 1),
+        rand(&[1, 1, 4, 6], 2),
+        rand(&[1, 1, 3, 6], 3),
+    ];
+    let prep = |q: &Tensor, k: &Tensor, v: &Tensor| -> Result<(Tensor, Tensor, Tensor)> {
+        Ok((q.clone(), k.transpose(2, 3)?, v.transpose(2, 3)?))
+    };
+    check_with("column-major k, v", bases, &prep, &Attention::causal());
     // A broadcast k (stride 0 over the heads).
     let bases = [
         rand(&[1, 2, 5, 4], 1),
@@ -426,6 +436,24 @@ fn half_precision_is_close_to_f32() {
                 "{dtype:?}: gradient {i} differs by {diff} (relative)"
             );
         }
+    }
+}
+
+#[test]
+fn half_precision_reads_strided_inputs() {
+    // q transposed from (b, t, h, d), k with a non-unit head_dim stride: the widening gathers.
+    let (b, t, h, d) = (2, 7, 4, 6);
+    for (dtype, tol) in [(DType::BF16, 2e-2f32), (DType::F16, 3e-3)] {
+        let q = rand(&[b, t, h, d], 1).to_dtype(dtype).unwrap();
+        let k = rand(&[b, 2, d, t], 2).to_dtype(dtype).unwrap();
+        let v = rand(&[b, 2, t, d], 3).to_dtype(dtype).unwrap();
+        let (q, k) = (q.transpose(1, 2).unwrap(), k.transpose(2, 3).unwrap());
+        let f32 = |x: &Tensor| x.to_dtype(DType::F32).unwrap();
+        let opts = Attention::causal();
+        let out = attention(&q, &k, &v, &opts).unwrap();
+        let want = attention(&f32(&q), &f32(&k), &f32(&v), &opts).unwrap();
+        let diff = max_diff(&out, &want);
+        assert!(diff < tol, "{dtype:?}: output differs by {diff}");
     }
 }
 
