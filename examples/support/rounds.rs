@@ -4,6 +4,7 @@
 use std::process::Command;
 
 /// Runs this program with `args` (and `envs`) and reads the number it prints.
+#[allow(dead_code)]
 pub fn in_own_process(args: &[&str], envs: &[(&str, &str)]) -> ivme::Result<f64> {
     let exe = std::env::current_exe().map_err(|e| ivme::Error::io("finding this program", e))?;
     let out = Command::new(exe)

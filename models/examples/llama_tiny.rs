@@ -109,8 +109,8 @@ fn fit(
         let n = eval.len().max(1) as f32;
         let (train_loss, eval_loss) = (total / seen as f32, eval_total / n);
         acc.print(format!(
-            "epoch {epoch}: train loss {train_loss:.3} (this process), eval loss {eval_loss:.3} \
-             ({:.3} at the last position), lr {:.2e}",
+            "epoch {epoch}: train loss {train_loss:.3} (this process), eval loss {eval_loss:.3}, \
+             {:.3} at the last position, lr {:.2e}",
             eval_last / n,
             schedule.lr()
         ));
