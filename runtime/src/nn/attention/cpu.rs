@@ -16,6 +16,11 @@ use crate::nn::elem::Elem;
 /// Query rows per block: a block's scores are `BLOCK × t_k` f32.
 const BLOCK: usize = 64;
 
+/// The fewest units of work the backward splits a kv head's query heads into (when the batch
+/// and the kv heads give fewer): enough for the cores of a usual machine, and independent of
+/// the thread count so that results are.
+const MIN_UNITS: usize = 8;
+
 /// An element type the kernels take: f32 is used in place, the half types are widened.
 pub(crate) trait Kernel: Elem {
     /// The elements as f32 when they are f32.
@@ -416,11 +421,12 @@ pub(crate) fn backward<T: Kernel>(
     let (dvw, tk) = (p.dv, geo.tk);
     let rep = hq / hkv;
     // The query heads of a kv head are split into `parts` units (each with its own dk, dv
-    // accumulators) only as far as needed to give every thread work.
+    // accumulators) only as far as needed for `MIN_UNITS` units of work: a number fixed by the
+    // shapes alone, so that the sums, and with them the gradients, are the same bits whatever
+    // the number of threads (a rank with one thread and a process with two compute alike).
     let groups = p.b * hkv;
-    let threads = rayon::current_num_threads();
     let parts = (1..=rep)
-        .find(|&s| rep % s == 0 && groups * s >= threads)
+        .find(|&s| rep % s == 0 && groups * s >= MIN_UNITS)
         .unwrap_or(rep);
     let per = rep / parts;
     let units = groups * parts;
