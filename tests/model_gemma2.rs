@@ -6,6 +6,7 @@
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{VarBuilder, VarMap};
 use ivme::models::gemma2::{Gemma2, Gemma2Config};
+use ivme::models::CausalLm;
 use ivme::models::{causal_lm_loss, load_weights, IGNORE_INDEX};
 use std::collections::HashMap;
 use std::path::PathBuf;

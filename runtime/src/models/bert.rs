@@ -60,18 +60,7 @@ struct Raw {
 impl BertConfig {
     /// Reads `folder/config.json` (or a `config.json` path) and checks it.
     pub fn from_folder(folder: impl AsRef<Path>) -> Result<BertConfig> {
-        let path = folder.as_ref();
-        let path = if path.is_dir() {
-            path.join("config.json")
-        } else {
-            path.to_path_buf()
-        };
-        let text = std::fs::read_to_string(&path)
-            .map_err(|e| Error::io(format!("reading {}", path.display()), e))?;
-        Self::from_json(&text).map_err(|e| match e {
-            Error::Usage(m) => Error::Usage(format!("{}: {m}", path.display())),
-            e => e,
-        })
+        super::config_file::read(folder.as_ref(), Self::from_json)
     }
 
     /// Parses a `config.json`'s text and checks it.
@@ -313,7 +302,7 @@ impl Bert {
         let mut h = self.embed_norm.forward(&x)?;
         let attention = Attention {
             mask: attention_mask
-                .map(|m| super::llama::padding_mask(m, t))
+                .map(|m| super::decoder::padding_mask(m, t))
                 .transpose()?,
             ..Attention::default()
         };

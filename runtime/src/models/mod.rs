@@ -6,6 +6,8 @@
 //! blocks are the units a checkpointed or sharded forward takes.
 
 pub mod bert;
+mod config_file;
+mod decoder;
 pub mod gemma2;
 pub mod llama;
 mod load;
@@ -13,6 +15,7 @@ mod loss;
 mod proj;
 mod rotary;
 
+pub use decoder::{Block, BlockContext, CausalLm};
 pub use load::load_weights;
 pub use loss::{causal_lm_loss, token_loss, IGNORE_INDEX};
 pub use proj::Proj;

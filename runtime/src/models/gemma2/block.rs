@@ -4,7 +4,7 @@
 
 use super::Gemma2Config;
 use crate::finetune::Lora;
-use crate::models::llama::BlockContext;
+use crate::models::decoder::{Block, BlockContext};
 use crate::models::proj::Proj;
 use crate::nn::{self, Attention};
 use candle_core::{Module, Result, Tensor};
@@ -154,10 +154,12 @@ impl Gemma2Block {
     pub fn is_sliding(&self) -> bool {
         self.attention.sliding_window.is_some()
     }
+}
 
+impl Block for Gemma2Block {
     /// The block applied to hidden states `x` `(b, t, hidden)`. Of `ctx.attention` only the
     /// padding mask is read: the scale, soft-capping and window are the block's own.
-    pub fn forward(&self, x: &Tensor, ctx: &BlockContext) -> Result<Tensor> {
+    fn forward(&self, x: &Tensor, ctx: &BlockContext) -> Result<Tensor> {
         let a = self.attention.forward(&self.input_norm.forward(x)?, ctx)?;
         let h = (x + self.post_attention_norm.forward(&a)?)?;
         let m = self.mlp.forward(&self.pre_feedforward_norm.forward(&h)?)?;

@@ -37,7 +37,7 @@ mod config;
 pub use block::{Gemma2Block, GemmaRmsNorm};
 pub use config::Gemma2Config;
 
-use super::llama::{padding_mask, BlockContext};
+use super::decoder::{BlockContext, CausalLm};
 use super::proj::Proj;
 use super::rotary::RotaryTables;
 use crate::finetune::Lora;
@@ -65,7 +65,8 @@ impl Gemma2 {
 
     /// The model with LoRA adapters on the linears `lora`'s targets name (transformers' module
     /// names: `q_proj`, `v_proj`, `layers.0.mlp.up_proj`, …); over a frozen base (`vb` from
-    /// [`Accelerator::base`](crate::Accelerator)) only the adapters train.
+    /// [`Accelerator::base_var_builder`](crate::Accelerator::base_var_builder)) only the
+    /// adapters train.
     pub fn with_lora(cfg: &Gemma2Config, vb: VarBuilder, lora: &Lora) -> Result<Gemma2> {
         Self::build(cfg, vb, Some(lora))
     }
@@ -113,7 +114,7 @@ impl Gemma2 {
     /// Logits `(b, t, vocab)` at every position of `input_ids` `(b, t)` (u32 or i64 token ids),
     /// soft-capped by `final_logit_softcapping`.
     pub fn forward(&self, input_ids: &Tensor) -> Result<Tensor> {
-        self.forward_masked(input_ids, None)
+        self.logits(input_ids, None)
     }
 
     /// [`forward`](Self::forward) with a padding mask `(b, t)`: keys where it is 0 are never
@@ -123,17 +124,16 @@ impl Gemma2 {
         input_ids: &Tensor,
         attention_mask: Option<&Tensor>,
     ) -> Result<Tensor> {
-        let mut h = self.embed(input_ids)?;
-        let ctx = self.context(h.dim(1)?, h.dtype(), attention_mask)?;
-        for block in &self.blocks {
-            h = block.forward(&h, &ctx)?;
-        }
-        self.head(&h)
+        self.logits(input_ids, attention_mask)
     }
+}
+
+impl CausalLm for Gemma2 {
+    type Block = Gemma2Block;
 
     /// The token embeddings `(b, t, hidden)` of `input_ids`, scaled by `sqrt(hidden_size)` (the
     /// factor rounded to the activations' dtype, as transformers does): the first block's input.
-    pub fn embed(&self, input_ids: &Tensor) -> Result<Tensor> {
+    fn embed(&self, input_ids: &Tensor) -> Result<Tensor> {
         let e = self.embed.forward(&input_ids.to_dtype(DType::U32)?)?;
         let normalizer =
             Tensor::new((self.cfg.hidden_size as f32).sqrt(), e.device())?.to_dtype(e.dtype())?;
@@ -143,34 +143,28 @@ impl Gemma2 {
     /// What every block needs for a sequence of `t` tokens whose activations are `dtype`:
     /// rotary tables, causal masking, the padding mask if given (each block adds its own scale,
     /// soft-capping and window).
-    pub fn context(
+    fn context(
         &self,
         t: usize,
         dtype: DType,
         attention_mask: Option<&Tensor>,
     ) -> Result<BlockContext> {
-        let (cos, sin) = self.rotary.first(t, dtype)?;
-        let mask = attention_mask.map(|m| padding_mask(m, t)).transpose()?;
-        Ok(BlockContext {
-            cos,
-            sin,
-            attention: Attention {
-                causal: true,
-                mask,
-                ..Attention::default()
-            },
-        })
+        let attention = Attention {
+            causal: true,
+            ..Attention::default()
+        };
+        BlockContext::new(&self.rotary, t, dtype, attention_mask, attention)
     }
 
     /// The decoder blocks, in order: the units a checkpointed or sharded forward runs one by
     /// one (`model.layers.N`).
-    pub fn blocks(&self) -> &[Gemma2Block] {
+    fn blocks(&self) -> &[Gemma2Block] {
         &self.blocks
     }
 
     /// The final norm, the output head and the final soft-capping over the last block's
     /// output: logits.
-    pub fn head(&self, hidden: &Tensor) -> Result<Tensor> {
+    fn head(&self, hidden: &Tensor) -> Result<Tensor> {
         let logits = self.head.forward(&self.norm.forward(hidden)?)?;
         match self.cfg.final_logit_softcapping {
             Some(cap) => (logits / cap)?.tanh()? * cap,

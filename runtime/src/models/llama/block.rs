@@ -3,22 +3,11 @@
 
 use super::LlamaConfig;
 use crate::finetune::Lora;
+use crate::models::decoder::{Block, BlockContext};
 use crate::models::proj::Proj;
-use crate::nn::{self, Attention};
+use crate::nn;
 use candle_core::{Module, Result, Tensor};
 use candle_nn::VarBuilder;
-
-/// What every block of one forward pass shares: the rotary tables for its length and the
-/// attention's masking.
-#[derive(Debug, Clone)]
-pub struct BlockContext {
-    /// `(t, head_dim / 2)` cos table, in the activations' dtype.
-    pub cos: Tensor,
-    /// `(t, head_dim / 2)` sin table, in the activations' dtype.
-    pub sin: Tensor,
-    /// Causal masking, the sliding window and the padding mask.
-    pub attention: Attention,
-}
 
 /// An RMS norm with a trained scale, through ivme's differentiable fused op.
 #[derive(Debug, Clone)]
@@ -179,9 +168,10 @@ impl DecoderBlock {
             mlp: Mlp::new(cfg, vb.pp("mlp"), lora)?,
         })
     }
+}
 
-    /// The block applied to hidden states `x` `(b, t, hidden)`.
-    pub fn forward(&self, x: &Tensor, ctx: &BlockContext) -> Result<Tensor> {
+impl Block for DecoderBlock {
+    fn forward(&self, x: &Tensor, ctx: &BlockContext) -> Result<Tensor> {
         let h = (x + self.attention.forward(&self.input_norm.forward(x)?, ctx)?)?;
         &h + self.mlp.forward(&self.post_attention_norm.forward(&h)?)?
     }

@@ -5,7 +5,8 @@
 //! Every norm, rotary embedding and attention goes through [`crate::nn`]'s differentiable
 //! ops, so `loss.backward()` reaches every weight (candle-transformers' `Llama` reaches the
 //! output head only). The forward covers the whole sequence: logits at every position, no KV
-//! cache. Variable names are transformers': `model.embed_tokens.weight`,
+//! cache. The model is a [`CausalLm`](crate::models::CausalLm): its blocks can be run one by
+//! one. Variable names are transformers': `model.embed_tokens.weight`,
 //! `model.layers.N.self_attn.q_proj.weight`, …, `model.norm.weight`, `lm_head.weight`.
 //!
 //! ```no_run
@@ -28,9 +29,10 @@
 mod block;
 mod config;
 
-pub use block::{BlockContext, DecoderBlock, RmsNorm};
+pub use block::{DecoderBlock, RmsNorm};
 pub use config::{Flavor, Llama3Scaling, LlamaConfig};
 
+use super::decoder::{BlockContext, CausalLm};
 use super::proj::Proj;
 use super::rotary::RotaryTables;
 use crate::finetune::Lora;
@@ -57,7 +59,8 @@ impl Llama {
 
     /// The model with LoRA adapters on the linears `lora`'s targets name (transformers' module
     /// names: `q_proj`, `v_proj`, `layers.0.mlp.up_proj`, …); over a frozen base (`vb` from
-    /// [`Accelerator::base`](crate::Accelerator)) only the adapters train.
+    /// [`Accelerator::base_var_builder`](crate::Accelerator::base_var_builder)) only the
+    /// adapters train.
     pub fn with_lora(cfg: &LlamaConfig, vb: VarBuilder, lora: &Lora) -> Result<Llama> {
         Self::build(cfg, vb, Some(lora))
     }
@@ -104,7 +107,7 @@ impl Llama {
 
     /// Logits `(b, t, vocab)` at every position of `input_ids` `(b, t)` (u32 or i64 token ids).
     pub fn forward(&self, input_ids: &Tensor) -> Result<Tensor> {
-        self.forward_masked(input_ids, None)
+        self.logits(input_ids, None)
     }
 
     /// [`forward`](Self::forward) with a padding mask `(b, t)`: keys where it is 0 are never
@@ -114,67 +117,40 @@ impl Llama {
         input_ids: &Tensor,
         attention_mask: Option<&Tensor>,
     ) -> Result<Tensor> {
-        let mut h = self.embed(input_ids)?;
-        let ctx = self.context(h.dim(1)?, h.dtype(), attention_mask)?;
-        for block in &self.blocks {
-            h = block.forward(&h, &ctx)?;
-        }
-        self.head(&h)
+        self.logits(input_ids, attention_mask)
     }
+}
+
+impl CausalLm for Llama {
+    type Block = DecoderBlock;
 
     /// The token embeddings `(b, t, hidden)` of `input_ids`: the input of the first block.
-    pub fn embed(&self, input_ids: &Tensor) -> Result<Tensor> {
+    fn embed(&self, input_ids: &Tensor) -> Result<Tensor> {
         self.embed.forward(&input_ids.to_dtype(DType::U32)?)
     }
 
-    /// What every block needs for a sequence of `t` tokens whose activations are `dtype`:
-    /// rotary tables, causal masking (and Mistral's window), the padding mask if given.
-    pub fn context(
+    /// Rotary tables, causal masking (and Mistral's window), the padding mask if given.
+    fn context(
         &self,
         t: usize,
         dtype: DType,
         attention_mask: Option<&Tensor>,
     ) -> Result<BlockContext> {
-        let (cos, sin) = self.rotary.first(t, dtype)?;
-        let mask = attention_mask.map(|m| padding_mask(m, t)).transpose()?;
-        Ok(BlockContext {
-            cos,
-            sin,
-            attention: Attention {
-                causal: true,
-                sliding_window: self.cfg.sliding_window,
-                mask,
-                ..Attention::default()
-            },
-        })
+        let attention = Attention {
+            causal: true,
+            sliding_window: self.cfg.sliding_window,
+            ..Attention::default()
+        };
+        BlockContext::new(&self.rotary, t, dtype, attention_mask, attention)
     }
 
-    /// The decoder blocks, in order: the units a checkpointed or sharded forward runs one by
-    /// one (`model.layers.N`).
-    pub fn blocks(&self) -> &[DecoderBlock] {
+    /// The decoder blocks (`model.layers.N`).
+    fn blocks(&self) -> &[DecoderBlock] {
         &self.blocks
     }
 
-    /// The final norm and the output head over the last block's output: logits.
-    pub fn head(&self, hidden: &Tensor) -> Result<Tensor> {
+    /// The final norm and the output head.
+    fn head(&self, hidden: &Tensor) -> Result<Tensor> {
         self.head.forward(&self.norm.forward(hidden)?)
     }
-}
-
-/// An additive mask `(b, 1, 1, t)` from a 0/1 padding mask `(b, t)`: 0 where a key is kept,
-/// −∞ where it is padding.
-pub(crate) fn padding_mask(mask: &Tensor, t: usize) -> Result<Tensor> {
-    let (b, mt) = mask.dims2()?;
-    if mt != t {
-        candle_core::bail!(
-            "attention_mask {:?} does not match the {t} input tokens",
-            mask.shape()
-        )
-    }
-    let keep = mask.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-    let add: Vec<f32> = keep
-        .iter()
-        .map(|&k| if k != 0.0 { 0.0 } else { f32::NEG_INFINITY })
-        .collect();
-    Tensor::from_vec(add, (b, 1, 1, t), mask.device())
 }

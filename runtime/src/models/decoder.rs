@@ -1,0 +1,97 @@
+//! What every decoder family shares: the context its blocks read, and a model seen as
+//! embedding → blocks → head, the shape a checkpointed or sharded forward walks block by block.
+
+use super::rotary::RotaryTables;
+use crate::nn::Attention;
+use candle_core::{DType, Result, Tensor};
+
+/// What every block of one forward pass shares: the rotary tables for its length and the
+/// attention's masking.
+#[derive(Debug, Clone)]
+pub struct BlockContext {
+    /// `(t, head_dim / 2)` cos table, in the activations' dtype.
+    pub cos: Tensor,
+    /// `(t, head_dim / 2)` sin table, in the activations' dtype.
+    pub sin: Tensor,
+    /// Causal masking, the sliding window and the padding mask.
+    pub attention: Attention,
+}
+
+impl BlockContext {
+    /// The context of a sequence of `t` tokens whose activations are `dtype`: `rotary`'s first
+    /// `t` positions, and `attention` with the padding mask `(b, t)` (0 where a key is padding)
+    /// added when one is given.
+    pub fn new(
+        rotary: &RotaryTables,
+        t: usize,
+        dtype: DType,
+        attention_mask: Option<&Tensor>,
+        attention: Attention,
+    ) -> Result<BlockContext> {
+        let (cos, sin) = rotary.first(t, dtype)?;
+        let mask = attention_mask.map(|m| padding_mask(m, t)).transpose()?;
+        Ok(BlockContext {
+            cos,
+            sin,
+            attention: Attention { mask, ..attention },
+        })
+    }
+}
+
+/// One block of a decoder: hidden states in, hidden states out.
+pub trait Block {
+    /// The block applied to hidden states `x` `(b, t, hidden)`.
+    fn forward(&self, x: &Tensor, ctx: &BlockContext) -> Result<Tensor>;
+}
+
+/// A causal language model as the parts a forward pass walks: embedding, blocks, head.
+pub trait CausalLm {
+    /// The model's block.
+    type Block: Block;
+
+    /// The first block's input `(b, t, hidden)` for `input_ids` `(b, t)`.
+    fn embed(&self, input_ids: &Tensor) -> Result<Tensor>;
+
+    /// What every block needs for `t` tokens whose activations are `dtype`, with the padding
+    /// mask `(b, t)` if given.
+    fn context(
+        &self,
+        t: usize,
+        dtype: DType,
+        attention_mask: Option<&Tensor>,
+    ) -> Result<BlockContext>;
+
+    /// The blocks, in order.
+    fn blocks(&self) -> &[Self::Block];
+
+    /// The last block's output to logits `(b, t, vocab)`.
+    fn head(&self, hidden: &Tensor) -> Result<Tensor>;
+
+    /// Logits at every position: the embedding, each block in turn, the head.
+    fn logits(&self, input_ids: &Tensor, attention_mask: Option<&Tensor>) -> Result<Tensor> {
+        let mut h = self.embed(input_ids)?;
+        let ctx = self.context(h.dim(1)?, h.dtype(), attention_mask)?;
+        for block in self.blocks() {
+            h = block.forward(&h, &ctx)?;
+        }
+        self.head(&h)
+    }
+}
+
+/// An additive mask `(b, 1, 1, t)` from a 0/1 padding mask `(b, t)`: 0 where a key is kept,
+/// −∞ where it is padding.
+pub(crate) fn padding_mask(mask: &Tensor, t: usize) -> Result<Tensor> {
+    let (b, mt) = mask.dims2()?;
+    if mt != t {
+        candle_core::bail!(
+            "attention_mask {:?} does not match the {t} input tokens",
+            mask.shape()
+        )
+    }
+    let keep = mask.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    let add: Vec<f32> = keep
+        .iter()
+        .map(|&k| if k != 0.0 { 0.0 } else { f32::NEG_INFINITY })
+        .collect();
+    Tensor::from_vec(add, (b, 1, 1, t), mask.device())
+}
