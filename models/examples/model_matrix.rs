@@ -8,8 +8,8 @@
 //! ```
 //!
 //! FAMILY is one of `llama`, `qwen2`, `xlmr`, `bert`, `vit`, `t5`, `llama2c`, `mistral`, `phi3`
-//! (candle-transformers' models) or `ivme_llama`, `ivme_mistral`, `ivme_qwen2` (ivme's trainable
-//! llama family) (examples/support/models.rs). The plain run prints `reached R of T`: how many
+//! (candle-transformers' models) or `ivme_llama`, `ivme_mistral`, `ivme_qwen2`, `ivme_phi3`,
+//! `ivme_gemma2`, `ivme_bert` (ivme's trainable families) (examples/support/models.rs). The plain run prints `reached R of T`: how many
 //! of the model's T variables the first backward pass gave a gradient. BatchNorm models are not here: their batch statistics couple
 //! the samples of a micro-batch, so the one-big-batch reference does not apply; the conv net
 //! with BatchNorm is checked in tests/buffers.rs against a reference that simulates the ranks.
@@ -17,7 +17,9 @@
 //!
 //! Every epoch is one optimizer step over `GRAD_ACCUM × N` micro-batches: each of the N
 //! processes sums the gradients of its `GRAD_ACCUM` micro-batches. The plain run does the same
-//! maths on one process: one step per epoch over all `GRAD_ACCUM × WORLD` micro-batches at once.
+//! maths on one process: one step per epoch over all `GRAD_ACCUM × WORLD` micro-batches at once
+//! (for ivme's families one micro-batch at a time, their gradients summed, as an accumulating
+//! loop does).
 //! Each run prints one line per process, `losses RANK L0 L1 …` (the mean loss of the process's
 //! micro-batches in each epoch), and writes its weights to `OUT/{way}-rank{RANK}.safetensors`.
 
@@ -26,6 +28,7 @@ mod init;
 #[path = "support/models.rs"]
 mod models;
 
+use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{Optimizer, VarBuilder, VarMap};
 use ivme::optim::{AdamW, ParamsAdamW};
@@ -79,12 +82,20 @@ fn plain(family: &str, world: usize, out: &Path) -> candle_core::Result<()> {
         },
     )?;
     let batches = models::batches(family, GRAD_ACCUM * world, SEED)?;
-    let (xs, ys): (Vec<Tensor>, Vec<Tensor>) = batches.into_iter().unzip();
+    let whole = !family.starts_with("ivme_");
+    let (xs, ys): (Vec<Tensor>, Vec<Tensor>) = batches.iter().cloned().unzip();
     let (xs, ys) = (Tensor::cat(&xs, 0)?, Tensor::cat(&ys, 0)?);
     let mut losses = Vec::new();
     for epoch in 0..EPOCHS {
-        let loss = task.loss(&xs, &ys)?;
-        let grads = loss.backward()?;
+        let (loss, grads) = if whole {
+            let loss = task.loss(&xs, &ys)?;
+            let grads = loss.backward()?;
+            (loss, grads)
+        } else {
+            // Every weight of ivme's families trains: the reference takes the micro-batches one
+            // at a time, as the ranks do, so that each kernel sums the same rows.
+            accumulated(task.as_mut(), &batches, &varmap, world)?
+        };
         if epoch == 0 {
             // How much of the model the loss reaches: all of it for ivme's families, the
             // output head alone for candle-transformers' llama (fused ops without a backward).
@@ -96,6 +107,54 @@ fn plain(family: &str, world: usize, out: &Path) -> candle_core::Result<()> {
         losses.push(loss.to_scalar::<f32>()?);
     }
     report(out, "plain", 0, &varmap, &losses)
+}
+
+/// The mean loss of `batches` and their mean gradient as `world` processes form it: process
+/// `r` sums the gradients of micro-batches `r`, `r + world`, … (each loss divided by the
+/// window's size), the processes' sums are added in rank order and multiplied by `1 / world`.
+/// Plain candle all the same, in the order a data-parallel loop adds (f32 addition is not
+/// associative, and AdamW makes a whole step of a near-zero gradient's last bits).
+fn accumulated(
+    task: &mut dyn models::Task,
+    batches: &[(Tensor, Tensor)],
+    varmap: &VarMap,
+    world: usize,
+) -> candle_core::Result<(Tensor, GradStore)> {
+    let vars = varmap.all_vars();
+    let add = |acc: Option<GradStore>, grads: GradStore| -> candle_core::Result<GradStore> {
+        let Some(mut acc) = acc else {
+            return Ok(grads);
+        };
+        for v in &vars {
+            if let (Some(a), Some(g)) = (acc.get(v), grads.get(v)) {
+                let sum = (a + g)?;
+                acc.insert(v, sum);
+            }
+        }
+        Ok(acc)
+    };
+    let mut total: Option<GradStore> = None;
+    let mut losses = Vec::new();
+    for rank in 0..world {
+        let mut window: Option<GradStore> = None;
+        for (x, y) in batches.iter().skip(rank).step_by(world) {
+            let loss = task.loss(x, y)?;
+            window = Some(add(window, (&loss / GRAD_ACCUM as f64)?.backward()?)?);
+            losses.push(loss);
+        }
+        if let Some(w) = window {
+            total = Some(add(total, w)?);
+        }
+    }
+    let mut grads = total.ok_or_else(|| candle_core::Error::Msg("no micro-batch".into()))?;
+    let inv = Tensor::new(1.0 / world as f32, &Device::Cpu)?;
+    for v in &vars {
+        if let Some(g) = grads.get(v) {
+            let mean = g.broadcast_mul(&inv)?;
+            grads.insert(v, mean);
+        }
+    }
+    Ok((Tensor::stack(&losses, 0)?.mean_all()?, grads))
 }
 
 /// ivme by hand: each process takes every N-th micro-batch.

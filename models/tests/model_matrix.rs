@@ -1,7 +1,7 @@
 //! The model matrix: small random-init candle-transformers 0.11.1 models, their code unchanged,
-//! and ivme's trainable llama family (`ivme_*`), trained by ivme by hand and as a plain loop
-//! under `#[accelerate]`, in f32, bf16 and fp16, on 1 and 2 real processes (ivme's families on
-//! 3 too), the 2-process runs under ZeRO stages 0, 1 and 2 (`models/examples/model_matrix.rs`).
+//! and ivme's trainable families (`ivme_*`: llama, mistral, qwen2, phi3, gemma2, bert), trained
+//! by ivme by hand and as a plain loop under `#[accelerate]`, in f32, bf16 and fp16, on 1 and 2
+//! real processes (ivme's families on 3 too), the 2-process runs under ZeRO stages 0, 1 and 2 (`models/examples/model_matrix.rs`).
 //! The plain run of an ivme family must reach every variable with its first backward pass.
 //!
 //! - Every run that can work must: its loss finite and falling on every rank, the ranks'
@@ -82,7 +82,10 @@ fn plain(family: &str, world: usize) -> HashMap<String, Tensor> {
     let (stdout, stderr) = text(&o);
     assert!(o.status.success(), "plain {family}\n{stdout}\n{stderr}");
     if family.starts_with("ivme_") {
-        let line = stdout.lines().find(|l| l.starts_with("reached ")).unwrap_or_default();
+        let line = stdout
+            .lines()
+            .find(|l| l.starts_with("reached "))
+            .unwrap_or_default();
         let words: Vec<&str> = line.split_whitespace().collect();
         assert!(
             words.len() == 4 && words[1] == words[3],
@@ -154,7 +157,18 @@ fn trains(family: &str, precision: &str) {
                 );
             }
             if let Some(reference) = &reference {
-                let d = max_diff(&r.weights[0], reference);
+                let mut ours = r.weights[0].clone();
+                let mut theirs = reference.clone();
+                // BERT's key biases have a gradient of exactly zero (softmax ignores a constant
+                // added to a row of scores): what is computed is rounding, which AdamW turns
+                // into whole steps, and which 3 ranks' MPI sum rounds another way than one
+                // process. They are compared between ranks and ways above and below, bit for
+                // bit, but not with the one-process reference.
+                if family == "ivme_bert" {
+                    ours.retain(|k, _| !k.ends_with("attention.self.key.bias"));
+                    theirs.retain(|k, _| !k.ends_with("attention.self.key.bias"));
+                }
+                let d = max_diff(&ours, &theirs);
                 assert!(
                     d <= 1e-5,
                     "{what}: weights differ from plain candle's by {d}"
@@ -337,6 +351,31 @@ fn ivme_qwen2_f32() {
 #[test]
 fn ivme_qwen2_fp16() {
     trains("ivme_qwen2", "fp16");
+}
+
+#[test]
+fn ivme_phi3_f32() {
+    trains("ivme_phi3", "no");
+}
+#[test]
+fn ivme_phi3_bf16() {
+    trains("ivme_phi3", "bf16");
+}
+#[test]
+fn ivme_gemma2_f32() {
+    trains("ivme_gemma2", "no");
+}
+#[test]
+fn ivme_gemma2_bf16() {
+    trains("ivme_gemma2", "bf16");
+}
+#[test]
+fn ivme_bert_f32() {
+    trains("ivme_bert", "no");
+}
+#[test]
+fn ivme_bert_fp16() {
+    trains("ivme_bert", "fp16");
 }
 
 #[test]

@@ -26,14 +26,34 @@ pub const IMAGE: usize = 8;
 pub const CLASSES: usize = 4;
 
 /// The model families of the matrix, by the name the example takes on its command line.
-pub const FAMILIES: [&str; 12] = [
-    "llama", "qwen2", "xlmr", "bert", "vit", "t5", "llama2c", "mistral", "phi3",
-    "ivme_llama", "ivme_mistral", "ivme_qwen2",
+pub const FAMILIES: [&str; 15] = [
+    "llama",
+    "qwen2",
+    "xlmr",
+    "bert",
+    "vit",
+    "t5",
+    "llama2c",
+    "mistral",
+    "phi3",
+    "ivme_llama",
+    "ivme_mistral",
+    "ivme_qwen2",
+    "ivme_phi3",
+    "ivme_gemma2",
+    "ivme_bert",
 ];
 
 /// The families built on ivme's trainable models (`ivme::models`): every variable trains.
 #[allow(dead_code)] // read by the tests that include this file
-pub const IVME_FAMILIES: [&str; 3] = ["ivme_llama", "ivme_mistral", "ivme_qwen2"];
+pub const IVME_FAMILIES: [&str; 6] = [
+    "ivme_llama",
+    "ivme_mistral",
+    "ivme_qwen2",
+    "ivme_phi3",
+    "ivme_gemma2",
+    "ivme_bert",
+];
 
 /// A model and the loss of one batch of its task.
 pub trait Task {
@@ -76,15 +96,15 @@ impl Task for Qwen2 {
     }
 }
 
-/// ivme's llama family (`ivme::models::llama`): logits at every position, each predicting the
-/// next token, through norms, rotary embeddings and attention that all have a backward pass.
-struct IvmeLlama {
-    model: ivme::models::llama::Llama,
+/// ivme's own families (`ivme::models`): logits at every position, each against its target,
+/// through norms, rotary embeddings and attention that all have a backward pass.
+struct IvmeModel<F: Fn(&Tensor) -> candle_core::Result<Tensor>> {
+    logits: F,
 }
 
-impl Task for IvmeLlama {
+impl<F: Fn(&Tensor) -> candle_core::Result<Tensor>> Task for IvmeModel<F> {
     fn loss(&mut self, inputs: &Tensor, targets: &Tensor) -> candle_core::Result<Tensor> {
-        let logits = self.model.forward(inputs)?;
+        let logits = (self.logits)(inputs)?;
         let (b, t, v) = logits.dims3()?;
         ivme::models::token_loss(
             &logits.reshape((b * t, v))?,
@@ -348,10 +368,10 @@ pub fn build(family: &str, vb: VarBuilder) -> candle_core::Result<Box<dyn Task>>
                 model: phi3::Model::new(&cfg, vb)?,
             })
         }
-        "ivme_llama" | "ivme_mistral" | "ivme_qwen2" => {
+        "ivme_llama" | "ivme_mistral" | "ivme_qwen2" | "ivme_phi3" => {
             // The same shape as the candle-transformers families above, in transformers'
             // config.json form: Mistral with a window shorter than the sequence, Qwen2 with
-            // its query/key/value biases and a tied head.
+            // its query/key/value biases and a tied head, Phi-3 with fused projections.
             let model_type = family.trim_start_matches("ivme_");
             let cfg = ivme::models::llama::LlamaConfig::from_json(&format!(
                 r#"{{"model_type": "{model_type}", "hidden_size": 32, "intermediate_size": 64,
@@ -362,8 +382,39 @@ pub fn build(family: &str, vb: VarBuilder) -> candle_core::Result<Box<dyn Task>>
                 model_type == "qwen2"
             ))
             .map_err(candle_core::Error::wrap)?;
-            Box::new(IvmeLlama {
-                model: ivme::models::llama::Llama::new(&cfg, vb)?,
+            let model = ivme::models::llama::Llama::new(&cfg, vb)?;
+            Box::new(IvmeModel {
+                logits: move |x: &Tensor| model.forward(x),
+            })
+        }
+        "ivme_gemma2" => {
+            // Soft-capped attention and logits, one sliding and one full layer.
+            let cfg = ivme::models::gemma2::Gemma2Config::from_json(&format!(
+                r#"{{"model_type": "gemma2", "hidden_size": 32, "intermediate_size": 64,
+                    "vocab_size": {VOCAB}, "num_hidden_layers": 2, "num_attention_heads": 4,
+                    "num_key_value_heads": 2, "head_dim": 8, "rms_norm_eps": 1e-6,
+                    "rope_theta": 10000.0, "max_position_embeddings": 64, "sliding_window": 4,
+                    "query_pre_attn_scalar": 8, "attn_logit_softcapping": 50.0,
+                    "final_logit_softcapping": 30.0}}"#
+            ))
+            .map_err(candle_core::Error::wrap)?;
+            let model = ivme::models::gemma2::Gemma2::new(&cfg, vb)?;
+            Box::new(IvmeModel {
+                logits: move |x: &Tensor| model.forward(x),
+            })
+        }
+        "ivme_bert" => {
+            // The encoder and its masked-LM head; every position predicts its target.
+            let cfg = ivme::models::bert::BertConfig::from_json(&format!(
+                r#"{{"model_type": "bert", "hidden_size": 32, "intermediate_size": 64,
+                    "vocab_size": {VOCAB}, "num_hidden_layers": 2, "num_attention_heads": 4,
+                    "max_position_embeddings": 64, "type_vocab_size": 2,
+                    "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}}"#
+            ))
+            .map_err(candle_core::Error::wrap)?;
+            let model = ivme::models::bert::Bert::new(&cfg, vb)?;
+            Box::new(IvmeModel {
+                logits: move |x: &Tensor| model.forward(x, None, None),
             })
         }
         other => candle_core::bail!("unknown model family `{other}`; one of {FAMILIES:?}"),
@@ -396,7 +447,8 @@ pub fn batches(
                     (x, y)
                 }
                 // Every position's target is its token plus one.
-                "qwen2" | "llama2c" | "ivme_llama" | "ivme_mistral" | "ivme_qwen2" => {
+                "qwen2" | "llama2c" | "ivme_llama" | "ivme_mistral" | "ivme_qwen2"
+                | "ivme_phi3" | "ivme_gemma2" | "ivme_bert" => {
                     let y: Vec<u32> = (0..ids.len()).map(next).collect();
                     (
                         Tensor::from_vec(ids.clone(), (BATCH, SEQ), &dev)?,
