@@ -1,8 +1,8 @@
 //! How much of a Llama the loss reaches. candle-transformers' Llama computes its norms and
 //! attention softmax with candle-nn's fused ops, which have no backward pass: `loss.backward()`
 //! reaches its output head only, and ivme must say so instead of training the head silently.
-//! ivme's own llama family (`ivme::models::llama`, which the llama example trains) reaches
-//! every weight, and ivme says nothing.
+//! ivme's own families (`ivme::models`; the llama example trains its Llama) reach every
+//! weight, and ivme says nothing.
 
 #[path = "../examples/support/bytes_llama.rs"]
 #[allow(dead_code)]
@@ -69,10 +69,10 @@ fn candle_transformers_llama_is_told_which_variables_its_loss_never_reaches() {
 }
 
 #[test]
-fn ivme_llama_family_reaches_every_variable() {
+fn ivme_families_reach_every_variable() {
     for family in models::IVME_FAMILIES {
         let (missing, total) = unreached_in_plain_candle(family);
-        assert!(total > 20, "{family}: {total} variables");
+        assert!(total >= 15, "{family}: {total} variables");
         assert!(missing.is_empty(), "{family}: unreached {missing:?}");
     }
 }
