@@ -1,6 +1,6 @@
 //! The causal language-modelling loss: each position predicts the next token.
 
-use candle_core::{DType, Result, Tensor, D};
+use candle_core::{DType, Result, Tensor};
 
 /// The label transformers and ivme skip: a position whose label is this adds no loss.
 pub const IGNORE_INDEX: i64 = -100;
@@ -32,31 +32,8 @@ pub fn causal_lm_loss(logits: &Tensor, labels: &Tensor, ignore_index: i64) -> Re
 }
 
 /// Mean cross-entropy of `logits` `(n, vocab)` against `labels` `(n)`, positions whose label is
-/// `ignore_index` skipped (masked-LM heads, or logits already shifted).
+/// `ignore_index` skipped (masked-LM heads, or logits already shifted): [`crate::nn::cross_entropy`],
+/// one pass over the logits each way on the CPU.
 pub fn token_loss(logits: &Tensor, labels: &Tensor, ignore_index: i64) -> Result<Tensor> {
-    let (n, v) = logits.dims2()?;
-    let labels = labels.to_dtype(DType::I64)?.to_vec1::<i64>()?;
-    if labels.len() != n {
-        candle_core::bail!("token_loss: {} labels for {n} rows of logits", labels.len())
-    }
-    let mut index = Vec::with_capacity(n);
-    let mut keep = Vec::with_capacity(n);
-    for (i, &l) in labels.iter().enumerate() {
-        if l == ignore_index {
-            index.push(0u32);
-            keep.push(0f32);
-        } else if l < 0 || l as usize >= v {
-            candle_core::bail!("label {l} at row {i} is outside the vocabulary (0..{v})")
-        } else {
-            index.push(l as u32);
-            keep.push(1f32);
-        }
-    }
-    let count: f32 = keep.iter().sum();
-    let dev = logits.device();
-    let index = Tensor::from_vec(index, (n, 1), dev)?;
-    let keep = Tensor::from_vec(keep, n, dev)?;
-    let logp = candle_nn::ops::log_softmax(&logits.to_dtype(DType::F32)?, D::Minus1)?;
-    let picked = logp.gather(&index, 1)?.squeeze(1)?;
-    (picked * keep)?.sum_all()?.neg()? / f64::from(count.max(1.0))
+    crate::nn::cross_entropy(logits, labels, ignore_index)
 }

@@ -20,18 +20,22 @@
 //! ```
 
 mod attention;
+mod cross_entropy;
 mod elem;
 mod norm;
 mod rope;
 mod softmax;
 
 pub use attention::{attention, attention_composed, Attention};
+pub use cross_entropy::cross_entropy;
 pub use norm::{layer_norm, rms_norm};
 pub use rope::{rope, rope_i, rope_thd};
 pub use softmax::softmax_last_dim;
 
 /// The composed forms (plain candle ops, autograd's backward): what other devices run, and
 /// the slow reference the fused ops are tested against.
+#[doc(hidden)]
+pub use cross_entropy::cross_entropy_composed;
 #[doc(hidden)]
 pub use norm::{layer_norm_composed, rms_norm_composed};
 #[doc(hidden)]
