@@ -15,6 +15,7 @@ Never part of CI and never a dependency of the crates: it runs only where
 virtual environment for it).
 
     python3 scripts/bench_pytorch.py [--rounds 3] [--sizes T,S,M] [--processes 1|2] [--bf16]
+    python3 scripts/bench_pytorch.py matmuls SIZE   # the step's linear-layer products alone
 """
 
 import argparse
@@ -125,6 +126,33 @@ def one(system, size, bf16=False):
         dist.destroy_process_group()
 
 
+def matmuls(size):
+    """The step's linear-layer matrix products alone (as bench_llama's `one matmuls`): for each
+    of 2 micro-batches, every projection's and the head's forward x@W.T and backward dY@W,
+    dY.T@x, f32, 2 threads; prints ms per step."""
+    import torch
+
+    hidden, layers, heads, kv, mlp, vocab, batch, tokens, steps = SIZES[size]
+    torch.set_num_threads(2)
+    rows, kvw = batch * tokens, hidden // heads * kv
+    shapes = [(hidden, hidden), (hidden, kvw), (hidden, kvw), (hidden, hidden),
+              (hidden, mlp), (hidden, mlp), (mlp, hidden)] * layers + [(hidden, vocab)]
+    ts = [(torch.randn(rows, i), torch.randn(o, i) * 0.02, torch.randn(rows, o)) for i, o in shapes]
+
+    def step():
+        for _ in range(2):
+            for x, w, dy in ts:
+                x @ w.T
+                dy @ w
+                dy.T @ x
+
+    step()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    print((time.perf_counter() - start) * 1e3 / steps, 0)
+
+
 class _Nothing:
     def __enter__(self):
         return self
@@ -158,6 +186,9 @@ def job(system, size, processes, bf16):
 
 
 def main():
+    if len(sys.argv) > 2 and sys.argv[1] == "matmuls":
+        matmuls(sys.argv[2])
+        return
     if len(sys.argv) > 1 and sys.argv[1] == "one":
         one(sys.argv[2], sys.argv[3], len(sys.argv) > 4 and sys.argv[4] == "bf16")
         return

@@ -25,6 +25,10 @@
 //! `bench_llama one SYSTEM SIZE PRECISION` runs one measurement and prints ms per step and the
 //! process's peak resident memory (VmHWM) in MiB.
 //!
+//! `bench_llama one matmuls SIZE f32` times the step's linear-layer matrix products alone
+//! (forward and both backward products of every projection and the head, f32): the floor
+//! candle's matmul sets under the step.
+//!
 //! `bench_llama profile [rounds=5] [sizes=T,S]` measures what a profile costs: ivme's step with
 //! and without `IVME_PROFILE` (each in its own process, rounds alternating, f32, glibc tuned).
 
@@ -135,6 +139,57 @@ fn precision_of(word: &str) -> ivme::Result<Precision> {
     }
 }
 
+/// Milliseconds per step of the step's linear-layer matrix products alone, in candle: for each
+/// micro-batch and block the seven projections' forward `x·Wᵀ` and backward `dY·W`, `dYᵀ·x`,
+/// and the same for the output head (attention's own products, a few percent at these
+/// lengths, left out). What candle's matmul costs the step whatever the rest costs.
+fn matmuls(s: &Size) -> candle_core::Result<f64> {
+    let rows = s.batch * s.tokens;
+    let dev = Device::Cpu;
+    let kv = s.hidden / s.heads * s.kv_heads;
+    let mut shapes = Vec::new();
+    for _ in 0..s.layers {
+        for (i, o) in [
+            (s.hidden, s.hidden),
+            (s.hidden, kv),
+            (s.hidden, kv),
+            (s.hidden, s.hidden),
+            (s.hidden, s.mlp),
+            (s.hidden, s.mlp),
+            (s.mlp, s.hidden),
+        ] {
+            shapes.push((i, o));
+        }
+    }
+    shapes.push((s.hidden, s.vocab));
+    let tensors = shapes
+        .iter()
+        .map(|&(i, o)| {
+            Ok((
+                Tensor::randn(0f32, 1., (rows, i), &dev)?,
+                Tensor::randn(0f32, 0.02, (o, i), &dev)?,
+                Tensor::randn(0f32, 1., (rows, o), &dev)?,
+            ))
+        })
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    let step = || -> candle_core::Result<()> {
+        for _ in 0..2 {
+            for (x, w, dy) in &tensors {
+                let _y = x.matmul(&w.t()?)?;
+                let _dx = dy.matmul(w)?;
+                let _dw = dy.t()?.matmul(x)?;
+            }
+        }
+        Ok(())
+    };
+    step()?;
+    let t = Instant::now();
+    for _ in 0..s.steps {
+        step()?;
+    }
+    Ok(t.elapsed().as_secs_f64() * 1e3 / s.steps as f64)
+}
+
 /// ivme's step with a profile recorded against the same step without, rounds alternating.
 fn profile_cost(args: &[String]) -> ivme::Result<()> {
     let rounds: usize = args
@@ -191,6 +246,7 @@ fn main() -> ivme::Result<()> {
         let precision = precision_of(&args[3])?;
         let ms = match args[1].as_str() {
             "plain" => plain(s, precision.compute_dtype())?,
+            "matmuls" => matmuls(s)?,
             _ => accelerated(s, precision)?,
         };
         println!("{ms} {}", peak_rss::peak_rss_mb());
