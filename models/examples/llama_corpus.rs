@@ -33,10 +33,10 @@ use arrow_array::{ArrayRef, RecordBatch, StringArray};
 use bytes_llama::{config, loss_of};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{Optimizer, VarBuilder, VarMap};
-use ivme::models::llama::Llama;
 use ivme::data::{
     ArrowFiles, DataLoader, Dataset, Packed, ParquetFiles, Row, TextLines, TokenFile, TokenWidth,
 };
+use ivme::models::llama::Llama;
 use ivme::optim::{AdamW, ParamsAdamW};
 use ivme::{Accelerator, Error};
 use std::collections::BTreeMap;

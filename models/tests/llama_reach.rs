@@ -65,7 +65,11 @@ fn candle_transformers_llama_is_told_which_variables_its_loss_never_reaches() {
         stderr.contains("ivme::nn") && stderr.contains("ivme::models"),
         "names what to use instead: {stderr}"
     );
-    assert_eq!(stderr.matches("got no gradient").count(), 1, "once: {stderr}");
+    assert_eq!(
+        stderr.matches("got no gradient").count(),
+        1,
+        "once: {stderr}"
+    );
 }
 
 #[test]

@@ -88,7 +88,11 @@ pub fn batches(text: &[u8]) -> candle_core::Result<(Vec<Batch>, Vec<Batch>)> {
 /// `(b, t)`, in f32.
 pub fn loss_of(logits: &Tensor, targets: &Tensor) -> candle_core::Result<Tensor> {
     let (b, t, v) = logits.dims3()?;
-    token_loss(&logits.reshape((b * t, v))?, &targets.flatten_all()?, IGNORE_INDEX)
+    token_loss(
+        &logits.reshape((b * t, v))?,
+        &targets.flatten_all()?,
+        IGNORE_INDEX,
+    )
 }
 
 /// The mean cross-entropy at the last position of each window alone: the byte after the whole

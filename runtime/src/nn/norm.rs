@@ -204,7 +204,6 @@ fn output<T: candle_core::WithDType>(v: Vec<T>, shape: Shape) -> Result<(CpuStor
     Ok((T::to_cpu_storage_owned(v), shape))
 }
 
-
 mod layer;
 mod rms;
 
