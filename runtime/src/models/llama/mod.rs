@@ -5,7 +5,7 @@
 //! Every norm, rotary embedding and attention goes through [`crate::nn`]'s differentiable
 //! ops, so `loss.backward()` reaches every weight (candle-transformers' `Llama` reaches the
 //! output head only). The forward covers the whole sequence: logits at every position, no KV
-//! cache. The model is a [`CausalLm`](crate::models::CausalLm): its blocks can be run one by
+//! cache. The model is a [`CausalLm`]: its blocks can be run one by
 //! one. Variable names are transformers': `model.embed_tokens.weight`,
 //! `model.layers.N.self_attn.q_proj.weight`, …, `model.norm.weight`, `lm_head.weight`.
 //!
