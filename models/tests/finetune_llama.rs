@@ -1,15 +1,16 @@
-//! candle-transformers' Llama, its code unchanged, saved as a Hugging Face folder and fine-tuned
+//! ivme's trainable Llama (`ivme::models::llama`) saved as a Hugging Face folder and fine-tuned
 //! as a frozen base under a new classification head: ivme's `base_var_builder` hands every Llama
-//! weight out as a constant, only the head trains, and the head ends where plain candle puts it
-//! (the Llama read with `VarBuilder::from_mmaped_safetensors`, the window's mean gradient clipped
-//! over the head's gradients, candle-nn's AdamW).
+//! weight out as a constant, only the head trains (the gradient runs back through the whole
+//! body, which computes no weight gradient), and the head ends where plain candle puts it (the
+//! Llama read with `VarBuilder::from_mmaped_safetensors`, the window's mean gradient clipped over
+//! the head's gradients, candle-nn's AdamW).
 
 #[path = "../../tests/reference/mod.rs"]
 mod reference;
 
 use candle_core::{DType, Device, Module, Tensor, Var};
 use candle_nn::{Optimizer, VarBuilder, VarMap};
-use candle_transformers::models::llama;
+use ivme::models::llama::{Llama, LlamaConfig};
 use reference::clipped_window_step;
 use std::path::Path;
 
@@ -18,23 +19,22 @@ const STEPS: usize = 3;
 const CLIP: f64 = 0.05;
 const VOCAB: usize = 64;
 
-fn config() -> llama::Config {
-    let cfg: llama::LlamaConfig = serde_json::from_str(&format!(
-        r#"{{"hidden_size": 32, "intermediate_size": 64, "vocab_size": {VOCAB},
-            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 64,
-            "tie_word_embeddings": false}}"#
+fn config() -> LlamaConfig {
+    LlamaConfig::from_json(&format!(
+        r#"{{"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
+            "vocab_size": {VOCAB}, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+            "max_position_embeddings": 64, "tie_word_embeddings": false}}"#
     ))
-    .unwrap();
-    cfg.into_config(false)
+    .unwrap()
 }
 
-/// A "pretrained" Llama: candle's own initialisation, saved as `dir/model.safetensors`.
+/// A "pretrained" Llama: candle's default initialisation, saved as `dir/model.safetensors`.
 fn write_base(dir: &Path) {
     std::fs::create_dir_all(dir).unwrap();
     let varmap = VarMap::new();
     let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
-    llama::Llama::load(vb, &config()).unwrap();
+    Llama::new(&config(), vb).unwrap();
     varmap.save(dir.join("model.safetensors")).unwrap();
 }
 
@@ -59,11 +59,12 @@ fn batch(j: usize) -> (Tensor, Tensor) {
     )
 }
 
-fn loss(model: &llama::Llama, head: &candle_nn::Linear, j: usize) -> Tensor {
+/// The classification loss of batch `j`: the head over the last position's vocabulary logits.
+fn loss(model: &Llama, head: &candle_nn::Linear, j: usize) -> Tensor {
     let (tokens, labels) = batch(j);
-    let mut cache = llama::Cache::new(false, DType::F32, &config(), &Device::Cpu).unwrap();
-    let logits = model.forward(&tokens, 0, &mut cache).unwrap();
-    candle_nn::loss::cross_entropy(&head.forward(&logits).unwrap(), &labels).unwrap()
+    let logits = model.forward(&tokens).unwrap();
+    let last = logits.narrow(1, 7, 1).unwrap().squeeze(1).unwrap();
+    candle_nn::loss::cross_entropy(&head.forward(&last).unwrap(), &labels).unwrap()
 }
 
 fn flat(t: &Tensor) -> Vec<f32> {
@@ -76,7 +77,7 @@ fn reference(base: &Path) -> Vec<Vec<f32>> {
     // SAFETY: the test's own file, not changed while mapped.
     let vb =
         unsafe { VarBuilder::from_mmaped_safetensors(&[file], DType::F32, &Device::Cpu) }.unwrap();
-    let model = llama::Llama::load(vb, &config()).unwrap();
+    let model = Llama::new(&config(), vb).unwrap();
     let (w, b) = head_start();
     let (w, b) = (Var::from_tensor(&w).unwrap(), Var::from_tensor(&b).unwrap());
     let head = candle_nn::Linear::new(w.as_tensor().clone(), Some(b.as_tensor().clone()));
@@ -105,7 +106,7 @@ fn a_llama_read_as_a_frozen_base_trains_only_its_new_head_as_plain_candle_does()
     let base = acc.load_base(&base_dir).unwrap();
     let varmap = VarMap::new();
     let vb = acc.base_var_builder(&base, &varmap, DType::F32);
-    let model = llama::Llama::load(vb.clone(), &config()).unwrap();
+    let model = Llama::new(&config(), vb.clone()).unwrap();
     let head = candle_nn::linear(VOCAB, 4, vb.pp("cls")).unwrap();
     let (w, b) = head_start();
     {
