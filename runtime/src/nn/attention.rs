@@ -11,6 +11,7 @@
 
 mod cpu;
 mod exp;
+mod matrix;
 
 use std::sync::Arc;
 
