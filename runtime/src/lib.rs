@@ -62,7 +62,15 @@ pub mod macro_support;
 pub use accelerator::{Accelerator, AcceleratorBuilder};
 pub use config::{BufferSync, Precision, Sharding};
 pub use error::{CheckpointErrorKind, Error, Result};
-pub use train::grads::{self, Gradients};
+pub use optim::gradients::Gradients;
+
+/// The gradients `backward` returns and the accumulation window's state, by their older
+/// paths (`ivme::grads::Gradients`); the types live in [`optim`] and the training step.
+pub mod grads {
+    pub use crate::optim::gradients::{global_norm, Gradients};
+    pub use crate::train::bucket::all_reduce_bucketed;
+    pub use crate::train::window::{GradientState, MicroStep};
+}
 // Public paths from before the parts had folders of their own.
 pub use accelerator::prepare::{self, Prepare};
 pub use ivme_macros::accelerate;

@@ -68,7 +68,7 @@ struct Pass {
     world: usize,
     // false for a pass a loaded checkpoint had finished: it hands out nothing, records nothing
     live: bool,
-    observer: std::sync::Arc<crate::train::grads::GradientState>,
+    observer: std::sync::Arc<crate::train::window::GradientState>,
     cursor: crate::stateful::Shared<LoopCursor>,
 }
 

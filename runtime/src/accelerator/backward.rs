@@ -1,20 +1,18 @@
 //! The training step's path through the facade: `backward` scales the loss for fp16 and its
-//! window, adds the micro-batch's gradients to each model's window sums, and on a window's last
-//! micro-batch hands them to the sync strategy ([`train::sync`](crate::train::sync):
-//! replicated or sharded); clipping, and reading a window's partial sums.
+//! window, runs candle's backward and hands the micro-batch to the sync
+//! ([`train::sync`](crate::train::sync)), which sums it into the window and, on the window's
+//! last micro-batch, ends the window (synced, unscaled, clipped; sharded optimizers stepped);
+//! then the loss scaler and the preemption agreement see the step's end. Clipping after the
+//! fact, and reading a window's partial sums.
 
 use crate::accelerator::Accelerator;
-use crate::comm::Communicator;
-use crate::comm::ReduceOp;
 use crate::error::{Error, Result};
-use crate::observe::step_times::Phase;
-use crate::optim::parts::Part;
+use crate::optim::gradients::Gradients;
 use crate::setup::config::Sharding;
-use crate::train::grads::{Gradients, MicroStep};
-use crate::train::shard::scale_all;
-use crate::train::sync::Strategy;
+use crate::train::sync::{self, MicroBatch};
+use crate::train::window::MicroStep;
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{DType, Tensor, Var};
 use std::time::Instant;
 
 impl Accelerator {
@@ -29,50 +27,50 @@ impl Accelerator {
     /// summed over the window, then (on the window's last micro-batch) averaged across
     /// processes, unscaled and clipped. Pass the result to a prepared optimizer's `step`.
     pub fn backward(&mut self, loss: &Tensor) -> Result<Gradients> {
-        if self.training.models().is_empty()
-            && (self.state.world_size > 1
-                || self.training.window().accum() > 1
-                || self.mixed.scales_loss())
-        {
-            return Err(Error::Prepare(
-                "backward needs the model's VarMap prepared (accelerator.prepare(varmap) or \
-                 prepare_optimizer) to sync, accumulate or unscale its gradients"
-                    .into(),
-            ));
-        }
+        self.refuse_backward_unprepared()?;
         self.stop_if_agreed()?;
         self.report_frozen_once();
         let MicroStep { window, sync } = self.training.window().for_backward();
         if sync {
             self.commit_pending_snapshot()?;
         }
-        let clock = self.training.window().clock().clone();
-        clock.count(sync);
-        let start = Instant::now();
-        let scale = self.mixed.loss_scale();
+        self.training.window().clock().count(sync);
+        let started = Instant::now();
+        let loss_scale = self.mixed.loss_scale();
         // Each micro-batch counts 1/window of its window's mean; the scale is undone after sync.
-        let store = self.scaled_backward(loss, scale / window as f64)?;
+        let store = self.scaled_backward(loss, loss_scale / window as f64)?;
         self.warn_unreached(&store);
-        if sync && self.passes_through() {
-            clock.since(Phase::Backward, start);
+        let micro = MicroBatch {
+            store,
+            ends_window: sync,
+            loss_scale,
+            scaled: self.mixed.scales_loss(),
+            started,
+        };
+        let grads = sync::take(&mut self.training, &self.sync, &self.comm, micro)?;
+        if sync {
             let start = Instant::now();
+            self.mixed.end_step(grads.found_overflow())?;
             self.agree_on_stop()?;
-            let grads = self.end_in_place(store);
-            clock.since(Phase::Sync, start);
-            return grads;
+            let clock = self.training.window().clock();
+            clock.since(crate::observe::step_times::Phase::Sync, start);
         }
-        let touched = self.accumulate(&store)?;
-        drop(store);
-        clock.since(Phase::Backward, start);
-        if !sync {
-            return Ok(Gradients::accumulating());
-        }
-        let start = Instant::now();
-        let grads = self.end_window(&touched, 1.0 / scale)?;
-        self.mixed.end_step(grads.found_overflow())?;
-        self.agree_on_stop()?;
-        clock.since(Phase::Sync, start);
         Ok(grads)
+    }
+
+    /// Refuses a backward that would need a prepared model to sync, accumulate or unscale.
+    fn refuse_backward_unprepared(&self) -> Result<()> {
+        let needs_models = self.state.world_size > 1
+            || self.training.window().accum() > 1
+            || self.mixed.scales_loss();
+        if !self.training.models().is_empty() || !needs_models {
+            return Ok(());
+        }
+        Err(Error::Prepare(
+            "backward needs the model's VarMap prepared (accelerator.prepare(varmap) or \
+             prepare_optimizer) to sync, accumulate or unscale its gradients"
+                .into(),
+        ))
     }
 
     /// Runs candle's backward on `loss` in f32, multiplied by `factor` (the fp16 scale over
@@ -90,16 +88,6 @@ impl Accelerator {
             (loss * factor)?
         };
         Ok(loss.backward()?)
-    }
-
-    /// Adds this micro-batch's gradients to each model's window sums; says which models the
-    /// loss reached.
-    fn accumulate(&mut self, store: &GradStore) -> Result<Vec<bool>> {
-        self.training
-            .models_mut()
-            .iter_mut()
-            .map(|m| m.accumulate(store))
-            .collect()
     }
 
     /// Clips synced gradients to a global `norm_type` norm of at most `max_norm` and returns
@@ -147,208 +135,14 @@ impl Accelerator {
     /// # Ok(()) }
     /// ```
     pub fn accumulated_gradient(&self, var: &Var) -> Result<Option<Tensor>> {
-        let id = var.as_tensor().id();
         let scale = self.mixed.loss_scale();
-        for m in self.training.models() {
-            let found = m
-                .compute
-                .iter()
-                .zip(&m.master)
-                .position(|(c, ms)| c.as_tensor().id() == id || ms.as_tensor().id() == id);
-            if let Some(i) = found {
-                return Ok(match &m.sums[i] {
-                    None => None,
-                    Some(sum) if scale == 1.0 => Some(sum.copy()?),
-                    Some(sum) => Some((sum / scale)?),
-                });
-            }
-        }
-        Ok(None)
-    }
-    /// Ends the window on its last micro-batch: the gradients the optimizer gets, whether
-    /// fp16 overflowed and (when clipping measured it) the global norm.
-    pub(crate) fn end_window(&mut self, touched: &[bool], inv_scale: f64) -> Result<Gradients> {
-        let position = self.training.window().position();
-        self.end_window_buffers(touched)?;
-        match self.sync.strategy() {
-            Strategy::Sharded => {
-                let (store, overflow, norm) = self.step_sharded(touched, position, inv_scale)?;
-                Ok(Gradients::synced(store, overflow).with_norm(norm))
-            }
-            Strategy::Replicated => self.end_replicated(touched, position, inv_scale),
-        }
+        Ok(match self.training.window_sum(var.as_tensor().id()) {
+            None => None,
+            Some(sum) if scale == 1.0 => Some(sum.copy()?),
+            Some(sum) => Some((sum / scale)?),
+        })
     }
 
-    /// Ends a replicated window: every model's whole mean gradient, unscaled, checked and
-    /// clipped. Under `overlap` the models' optimizers step here too: bucket by bucket during
-    /// the sync where nothing needs every gradient first (no fp16 overflow check, no
-    /// clipping), after it otherwise.
-    fn end_replicated(
-        &mut self,
-        touched: &[bool],
-        position: u64,
-        inv_scale: f64,
-    ) -> Result<Gradients> {
-        let mut out = GradStore::default();
-        let mut overflow = false;
-        let pipeline = self.sync.overlap()
-            && !self.mixed.scales_loss()
-            && self.sync.clip_norm().is_none()
-            && self.sync.clip_value().is_none();
-        let bucket = self.sync.bucket_bytes();
-        let mut hidden = 0;
-        // Whether each touched model's optimizer still has to step (under overlap).
-        let mut to_step = Vec::new();
-        // Only the models this loss reached end their window here: another model trained in
-        // the same micro-step (a second loss, a GAN's other half) ends it at its own backward.
-        for m in self.training.touched_mut(touched) {
-            if pipeline && m.overlap.is_some() && m.can_overlap(&self.comm, bucket) {
-                let mut step = m.overlap.take().expect("checked");
-                let done = m.end_overlapped(&self.comm, position, bucket, &mut step, &mut out);
-                m.overlap = Some(step);
-                hidden += done?;
-                to_step.push(false);
-                continue;
-            }
-            overflow |= m.take_synced(
-                &self.comm,
-                position,
-                bucket,
-                inv_scale,
-                self.mixed.scales_loss(),
-                &mut out,
-            )?;
-            to_step.push(m.overlap.is_some());
-        }
-        self.training.window().clock().overlapped(hidden);
-        let mut grads = Gradients::synced(out, overflow);
-        if overflow {
-            return Ok(grads);
-        }
-        self.clip(&mut grads)?;
-        let mut stepped = false;
-        for m in self.training.touched_mut(touched) {
-            stepped |= m.overlap.is_some();
-        }
-        let models = self.training.touched_mut(touched);
-        for (m, _) in models.zip(to_step).filter(|(_, s)| *s) {
-            let step = m.overlap.as_mut().expect("checked");
-            step.step(Part::Open)?;
-            step.step(Part::Vars(grads.store()))?;
-        }
-        Ok(if stepped { grads.stepped() } else { grads })
-    }
-
-    /// Whether a one-micro-batch window's gradients are already final as candle computed
-    /// them: replicated over the identity communicator, no loss scale, no low-precision copies
-    /// and nothing summed from earlier micro-batches.
-    pub(crate) fn passes_through(&self) -> bool {
-        self.sync.strategy() == Strategy::Replicated
-            && !self.sync.overlap()
-            && self.comm.world_size() == 1
-            && !self.mixed.scales_loss()
-            && self
-                .training
-                .models()
-                .iter()
-                .all(|m| !m.has_copies() && m.sums.iter().all(Option::is_none))
-    }
-
-    /// Ends a window that [`passes_through`](Self::passes_through): candle's store, clipped.
-    pub(crate) fn end_in_place(&self, store: GradStore) -> Result<Gradients> {
-        let mut grads = Gradients::synced(store, false);
-        self.clip(&mut grads)?;
-        Ok(grads)
-    }
-
-    /// Clips synced, replicated gradients as the builder set: by the global norm, or by value.
-    fn clip(&self, grads: &mut Gradients) -> Result<()> {
-        if self.sync.clip_norm().is_none() && self.sync.clip_value().is_none() {
-            return Ok(());
-        }
-        let vars = self.training.trained_master_vars();
-        if let Some(n) = self.sync.clip_norm() {
-            grads.clip_norm(&vars, n, 2.0)?;
-        }
-        if let Some(v) = self.sync.clip_value() {
-            grads.clip_value(&vars, v)?;
-        }
-        Ok(())
-    }
-    /// The end of an accumulation window when the models are sharded (see the module docs):
-    /// returns the pieces' gradients, whether the step overflowed, and the global norm.
-    pub(crate) fn step_sharded(
-        &mut self,
-        touched: &[bool],
-        position: u64,
-        inv_scale: f64,
-    ) -> Result<(GradStore, bool, Option<f64>)> {
-        let mut store = GradStore::default();
-        let check = self.mixed.scales_loss();
-        let need_norm = self.sync.clip_norm().is_some();
-        let (mut overflow, mut squares) = (false, 0.0);
-        for m in self.training.touched_mut(touched) {
-            let p = m.take_sharded(
-                &self.comm,
-                position,
-                self.sync.bucket_bytes(),
-                inv_scale,
-                check,
-                need_norm,
-                &mut store,
-            )?;
-            overflow |= p.overflow;
-            squares += p.squares;
-        }
-        // One small collective for what the slices cannot know alone: the global norm, and
-        // (stage 2) whether any slice overflowed.
-        let stage2 = self.sync.sharding() == Sharding::Gradients;
-        if self.state.world_size > 1 && (need_norm || (stage2 && check)) {
-            let local = Tensor::new(
-                &[squares as f32, if overflow { 1.0 } else { 0.0 }],
-                &Device::Cpu,
-            )?;
-            let agreed = self
-                .comm
-                .all_reduce(&local, ReduceOp::Sum)?
-                .to_vec1::<f32>()?;
-            squares = agreed[0] as f64;
-            overflow = agreed[1] > 0.0;
-        }
-        let norm = need_norm.then(|| squares.sqrt());
-        if overflow {
-            return Ok((store, true, norm));
-        }
-        if let (Some(max), Some(total)) = (self.sync.clip_norm(), norm) {
-            // The same coefficient as the unsharded clip: max / (norm + 1e-6), at most 1.
-            let coef = (max / (total + 1e-6)).min(1.0);
-            if coef < 1.0 {
-                scale_all(&mut store, self.training.shards(), |g| g * coef)?;
-            }
-        }
-        if let Some(v) = self.sync.clip_value() {
-            scale_all(&mut store, self.training.shards(), |g| g.clamp(-v, v))?;
-        }
-        for m in self.training.touched_mut(touched) {
-            let shard = m.shard.as_mut().expect("a sharded model");
-            let Some(step) = shard.stepper.as_mut() else {
-                return Err(Error::Prepare(
-                    "the model is sharded but has no prepared optimizer: prepare its optimizer \
-                     (accelerator.prepare((varmap, opt))) before the first optimizer step"
-                        .into(),
-                ));
-            };
-            step(&store)?;
-            shard.forget_runs(&mut store);
-            shard.gather_into(
-                &self.comm,
-                self.sync.bucket_bytes(),
-                &m.compute,
-                Some(&m.buffer),
-            )?;
-        }
-        Ok((store, false, norm))
-    }
     /// Refuses a call that cannot work once the optimizer step happens inside `backward`.
     pub(crate) fn refuse_when_sharded(&self, what: &str) -> Result<()> {
         if self.sync.sharding() == Sharding::No {

@@ -26,8 +26,7 @@ impl Accelerator {
     pub fn register_buffer(&mut self, var: &Var) -> Result<()> {
         let id = var.as_tensor().id();
         for m in self.training.models_mut() {
-            if let Some(i) = m.compute.iter().position(|c| c.as_tensor().id() == id) {
-                m.buffer[i] = true;
+            if m.mark_buffer(id) {
                 return Ok(());
             }
         }
@@ -99,17 +98,8 @@ impl Accelerator {
         }
         let (mut trained, mut frozen, mut vars) = (0usize, 0usize, 0usize);
         for m in self.training.models() {
-            for (i, v) in m.master.iter().enumerate() {
-                if m.buffer[i] {
-                    continue;
-                }
-                if m.trained[i] {
-                    trained += v.elem_count();
-                } else {
-                    frozen += v.elem_count();
-                    vars += 1;
-                }
-            }
+            let (t, f, v) = m.parameter_counts();
+            (trained, frozen, vars) = (trained + t, frozen + f, vars + v);
         }
         let constants = *self.finetune.constants.lock();
         if frozen + constants > 0 && !self.training.optimizers().is_empty() {
@@ -144,28 +134,6 @@ impl Accelerator {
             .iter()
             .flat_map(|m| m.buffer_names().map(str::to_string))
             .collect()
-    }
-
-    /// Brings the buffers of the models this window trained to agreement (see the module
-    /// docs); every process calls it at the end of each window.
-    pub(crate) fn end_window_buffers(&mut self, touched: &[bool]) -> Result<()> {
-        let mode = self.sync.buffers();
-        let main = self.is_main_process();
-        for m in self.training.touched_mut(touched) {
-            let adopted = m.adopt_undeclared_buffers(&self.comm)?;
-            if main && !adopted.is_empty() {
-                // Printed, as the builder's warnings are: it changes what trains.
-                warn_user!(
-                    "{} received no gradient but changed in the forward, so they are kept \
-                     as buffers (agreed across processes as `buffers = {mode}` says, never \
-                     stepped); call `accelerator.register_buffer(&var)` to say so and silence \
-                     this",
-                    adopted.join(", ")
-                );
-            }
-            m.sync_buffers(&self.comm, mode)?;
-        }
-        Ok(())
     }
 }
 

@@ -373,7 +373,11 @@ impl AcceleratorBuilder {
         }
         check_precision(precision, &device)?;
         if overlap {
-            warnings.extend(crate::train::overlap::warnings(world, local_world, &*comm));
+            warnings.extend(crate::train::sync::overlap_warnings(
+                world,
+                local_world,
+                &*comm,
+            ));
         }
         let state = ProcessState {
             rank,

@@ -16,7 +16,7 @@
 
 use crate::accelerator::Accelerator;
 use crate::checkpoint::fsio::parent_of;
-use crate::checkpoint::layout::{run_name, Layout};
+use crate::checkpoint::layout::Layout;
 use crate::checkpoint::names::{self, Kind};
 use crate::checkpoint::plan::Newest;
 use crate::checkpoint::project::{rotate, ProjectConfiguration};
@@ -98,38 +98,11 @@ impl Accelerator {
         // writes them; under sharding every rank writes its slice (nothing is gathered).
         if self.is_main_process() || self.sync.sharding() != Sharding::No {
             for (i, m) in self.training.models().iter().enumerate() {
-                let tensors = match &m.shard {
-                    Some(s) => s
-                        .plan
-                        .pieces
-                        .iter()
-                        .enumerate()
-                        .map(|(k, p)| {
-                            let name = run_name(&m.names[p.param], p.from, p.len);
-                            Ok((name, s.flat(k)?))
-                        })
-                        .collect::<Result<_>>()?,
-                    None => m
-                        .names
-                        .iter()
-                        .cloned()
-                        .zip(m.master.iter().map(|v| v.as_tensor().clone()))
-                        .collect(),
-                };
-                // A slice's runs are flat: the shapes say how to put each variable back.
-                let shapes: serde_json::Map<String, serde_json::Value> = m
-                    .names
-                    .iter()
-                    .zip(&m.compute)
-                    .map(|(n, v)| (n.clone(), json!(v.dims())))
-                    .collect();
+                let (tensors, json) = m.state_dict()?;
                 components.push(Component {
                     name: Kind::Model.name(i),
                     tensors,
-                    json: match m.shard {
-                        Some(_) => json!({ "shapes": shapes }),
-                        None => json!(null),
-                    },
+                    json,
                 });
             }
             for (i, o) in self.training.optimizers().iter().enumerate() {
@@ -155,10 +128,8 @@ impl Accelerator {
         // Partial sums of a window saved mid-way are this rank's own.
         let mut sums = Vec::new();
         for (i, m) in self.training.models().iter().enumerate() {
-            for (name, s) in m.names.iter().zip(&m.sums) {
-                if let Some(s) = s {
-                    sums.push((format!("{i}::{name}"), s.clone()));
-                }
+            for (name, s) in m.window_sums() {
+                sums.push((format!("{i}::{name}"), s.clone()));
             }
         }
         components.push(Component {
@@ -243,7 +214,7 @@ impl Accelerator {
             .training
             .models()
             .iter()
-            .filter_map(|m| m.shard.as_ref().map(|s| s.plan.counts.clone()))
+            .filter_map(|m| m.slice_counts().map(<[usize]>::to_vec))
             .collect();
         let layout = Layout {
             sharding: self.sync.sharding().to_string(),

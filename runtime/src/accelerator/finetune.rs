@@ -143,9 +143,9 @@ impl Accelerator {
         self.wait_for_everyone()?;
         let mut tensors: Vec<(String, Tensor)> = Vec::new();
         for m in self.training.models() {
-            for (i, value) in self.whole_masters(m)?.into_iter().enumerate() {
-                if m.trained[i] && !m.buffer[i] {
-                    tensors.push((m.names[i].clone(), value));
+            for (i, value) in m.whole_masters(&self.comm)?.into_iter().enumerate() {
+                if m.trains(i) {
+                    tensors.push((m.names()[i].clone(), value));
                 }
             }
         }
@@ -180,8 +180,8 @@ impl Accelerator {
     pub fn load_adapter(&self, dir: &Path) -> Result<LoadReport> {
         let file = dir.join(crate::finetune::ADAPTER_WEIGHTS);
         self.load_named(&file, |m, i| {
-            (m.trained[i] && !m.buffer[i])
-                .then(|| format!("{}{}", crate::finetune::PEFT_PREFIX, m.names[i]))
+            m.trains(i)
+                .then(|| format!("{}{}", crate::finetune::PEFT_PREFIX, m.names()[i]))
         })
     }
 }

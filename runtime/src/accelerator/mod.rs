@@ -10,7 +10,7 @@ use crate::rng::{mix, Rng};
 use crate::setup::config::Precision;
 use crate::setup::state::ProcessState;
 use crate::stateful::Shared;
-use crate::train::grads::GradientState;
+use crate::train::window::GradientState;
 use candle_core::{DType, Device, Var};
 use prepare::Prepare;
 
@@ -50,29 +50,29 @@ mod tools;
 /// ```
 pub struct Accelerator {
     /// Who this process is, and on which device.
-    pub(crate) state: ProcessState,
+    state: ProcessState,
     /// The communicator for that device (the identity in a world of one), counted.
-    pub(crate) comm: Counted,
+    comm: Counted,
     /// How windows end: the sync strategy, bucket size and clipping (sync.rs).
-    pub(crate) sync: crate::train::sync::SyncSettings,
+    sync: crate::train::sync::SyncSettings,
     /// Mixed precision: policy, loss scaler, NaN-loss guard, exact initial values.
-    pub(crate) mixed: crate::precision::MixedPrecision,
+    mixed: crate::precision::MixedPrecision,
     /// The prepared models and optimizers and the accumulation window (training.rs).
-    pub(crate) training: crate::train::training::Training,
+    training: crate::train::training::Training,
     /// The generator, the loaders' positions and the attribute's loop cursor.
-    pub(crate) data: crate::data::DataProgress,
+    data: crate::data::DataProgress,
     /// The project folder, locks, background saves and registered objects.
-    pub(crate) checkpoints: crate::checkpoint::Checkpointing,
+    checkpoints: crate::checkpoint::Checkpointing,
     /// Experiment trackers, once `init_trackers` ran.
-    pub(crate) trackers: Shared<Option<crate::observe::tracking::Trackers>>,
+    trackers: Shared<Option<crate::observe::tracking::Trackers>>,
     /// A fine-tune's base, patterns and the `VarMap`s builders made variables in.
-    pub(crate) finetune: crate::finetune::FineTuning,
+    finetune: crate::finetune::FineTuning,
     /// Whether the ranks agreed to stop for a preemption (setup/preempt.rs).
-    pub(crate) preempt: crate::setup::preempt::Preemption,
+    preempt: crate::setup::preempt::Preemption,
     /// Print the step-time report every this many optimizer steps (`IVME_STEP_TIMES`).
-    pub(crate) step_times_every: Option<u64>,
+    step_times_every: Option<u64>,
     /// The run's profile, when profiling (profile.rs).
-    pub(crate) profiling: Option<profile::Profiling>,
+    profiling: Option<profile::Profiling>,
 }
 
 impl std::fmt::Debug for Accelerator {

@@ -4,8 +4,8 @@
 use crate::accelerator::Accelerator;
 use crate::checkpoint::model::{load_checkpoint_in_model, save_model, LoadReport, ShardSize};
 use crate::error::Result;
-use crate::train::grads::ParamSet;
-use candle_core::{DType, Tensor, Var};
+use crate::train::params::ParamSet;
+use candle_core::Tensor;
 use std::path::Path;
 
 impl Accelerator {
@@ -19,7 +19,7 @@ impl Accelerator {
         // model's weights may be rounded to the compute dtype).
         let mut tensors: Vec<(String, Tensor)> = Vec::new();
         for m in self.training.models() {
-            tensors.extend(m.names.iter().cloned().zip(self.whole_masters(m)?));
+            tensors.extend(m.names().iter().cloned().zip(m.whole_masters(&self.comm)?));
         }
         let written = if self.is_main_process() {
             save_model(&tensors, dir, shard).map(|_| ())
@@ -29,21 +29,12 @@ impl Accelerator {
         self.agree("saving the model", written)
     }
 
-    /// `m`'s f32 master values, whole: put together from every process's slice under sharding
-    /// (a collective: every process calls it).
-    pub(crate) fn whole_masters(&self, m: &ParamSet) -> Result<Vec<Tensor>> {
-        Ok(match &m.shard {
-            Some(s) => s.gathered(&self.comm, &m.compute)?,
-            None => m.master.iter().map(|v| v.as_tensor().clone()).collect(),
-        })
-    }
-
     /// Loads a model file or folder (single or sharded) into the prepared models' weights on
     /// every rank, refreshing their low-precision copies. The f32 masters take the file's
     /// values as they are (under sharding too: each process's slice comes from them, not from
     /// the weights rounded to the compute dtype).
     pub fn load_model(&self, path: &Path) -> Result<LoadReport> {
-        self.load_named(path, |m, i| Some(m.names[i].clone()))
+        self.load_named(path, |m, i| Some(m.names()[i].clone()))
     }
 
     /// Loads the file or folder at `path` into the prepared models' variables that `key`
@@ -54,47 +45,16 @@ impl Accelerator {
         path: &Path,
         key: impl Fn(&ParamSet, usize) -> Option<String>,
     ) -> Result<LoadReport> {
-        // Under sharding no process holds whole masters: f32 stand-ins, starting from the
-        // current weights, receive the file's values.
-        let mut standins: Vec<Option<Vec<Var>>> = Vec::with_capacity(self.training.models().len());
+        let mut standins = Vec::with_capacity(self.training.models().len());
         let mut vars = Vec::new();
-        let keyed = |m: &ParamSet, values: &[Var]| -> Vec<(String, Var)> {
-            (0..values.len())
-                .filter_map(|i| key(m, i).map(|k| (k, values[i].clone())))
-                .collect()
-        };
         for m in self.training.models() {
-            match &m.shard {
-                Some(_) => {
-                    let whole = m
-                        .compute
-                        .iter()
-                        .map(|c| Ok(Var::from_tensor(&c.as_tensor().to_dtype(DType::F32)?)?))
-                        .collect::<Result<Vec<Var>>>()?;
-                    vars.extend(keyed(m, &whole));
-                    standins.push(Some(whole));
-                }
-                None => {
-                    vars.extend(keyed(m, &m.master));
-                    standins.push(None);
-                }
-            }
+            let (keyed, standin) = m.load_targets(&key)?;
+            vars.extend(keyed);
+            standins.push(standin);
         }
         let report = load_checkpoint_in_model(&vars, path, self.device())?;
-        for (m, whole) in self.training.models().iter().zip(standins) {
-            match (&m.shard, whole) {
-                (Some(shard), Some(whole)) => {
-                    shard.reslice(&whole)?;
-                    for (c, w) in m.compute.iter().zip(&whole) {
-                        crate::precision::refresh_copy(c, w)?;
-                    }
-                }
-                _ => {
-                    for (c, master) in m.compute.iter().zip(&m.master) {
-                        crate::precision::refresh_copy(c, master)?;
-                    }
-                }
-            }
+        for (m, standin) in self.training.models().iter().zip(standins) {
+            m.take_loaded(standin)?;
         }
         Ok(report)
     }

@@ -10,7 +10,7 @@ use crate::optim::AcceleratedOptimizer;
 use crate::optim::StatefulOptimizer;
 use crate::precision::exact_init::SeededInit;
 use crate::stateful::Shared;
-use crate::train::grads::ParamSet;
+use crate::train::params::ParamSet;
 use crate::Precision;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, TensorId, Var};
@@ -19,11 +19,11 @@ use candle_nn::{VarBuilder, VarMap};
 impl Accelerator {
     pub(crate) fn find_model(&self, varmap: &VarMap) -> Option<usize> {
         let first = varmap.all_vars().into_iter().next()?;
-        self.training.models().iter().position(|m| {
-            m.compute
-                .iter()
-                .any(|v| v.as_tensor().id() == first.as_tensor().id())
-        })
+        let id = first.as_tensor().id();
+        self.training
+            .models()
+            .iter()
+            .position(|m| m.position_of(id).is_some())
     }
 
     /// Makes every rank start from rank 0's weights and sets up f32 masters.
@@ -138,9 +138,6 @@ impl Accelerator {
             buffer.push(is_buffer);
         }
         crate::train::frozen::check_equal(&self.comm, &unsent)?;
-        let sums = vec![None; names.len()];
-        let trained = vec![false; names.len()];
-        let reached = vec![false; names.len()];
         let shard = if self.sync.sharding() == crate::Sharding::No {
             None
         } else {
@@ -154,19 +151,8 @@ impl Accelerator {
                 &compute,
             )?)
         };
-        self.training.add_model(ParamSet {
-            names,
-            compute,
-            master,
-            trained,
-            buffer,
-            probed: false,
-            reached,
-            sums,
-            buffers: Default::default(),
-            shard,
-            overlap: None,
-        });
+        self.training
+            .add_model(ParamSet::new(names, compute, master, buffer, shard));
         Ok(())
     }
 
@@ -186,12 +172,11 @@ impl Accelerator {
         let mut copies = Vec::new();
         for v in opt.vars() {
             let id = v.as_tensor().id();
-            let found = self.training.models_mut().iter_mut().find_map(|m| {
-                m.compute
-                    .iter()
-                    .position(|c| c.as_tensor().id() == id)
-                    .map(|i| (m, i))
-            });
+            let found = self
+                .training
+                .models_mut()
+                .iter_mut()
+                .find_map(|m| m.position_of(id).map(|i| (m, i)));
             let Some((m, i)) = found else {
                 return Err(Error::Prepare(
                     "the optimizer updates a variable of no prepared model; prepare the VarMap \
@@ -199,26 +184,9 @@ impl Accelerator {
                         .into(),
                 ));
             };
-            if m.trained[i] {
-                return Err(Error::Prepare(format!(
-                    "`{}` is held by two prepared optimizers (or twice by one): each \
-                     variable belongs to one optimizer, since two would each step it with \
-                     their own state; split the variables between them",
-                    m.names[i]
-                )));
-            }
-            m.trained[i] = true;
-            let low = self.mixed.policy().compute_dtype();
-            let unmastered = m.master[i].as_tensor().id() == m.compute[i].as_tensor().id();
-            if unmastered && !m.buffer[i] && low != DType::F32 && m.compute[i].dtype() == low {
-                // Registered as frozen (no master): this optimizer steps it after all.
-                m.master[i] = Var::from_tensor(&m.compute[i].as_tensor().to_dtype(DType::F32)?)?;
-            }
-            masters.push(m.master[i].clone());
-            // A buffer's value is the model's own; its master only mirrors it (buffers.rs).
-            if !m.buffer[i] && m.compute[i].as_tensor().id() != m.master[i].as_tensor().id() {
-                copies.push((m.compute[i].clone(), m.master[i].clone()));
-            }
+            let (master, copy) = m.adopt(i, self.mixed.policy().compute_dtype())?;
+            masters.push(master);
+            copies.extend(copy);
         }
         if !copies.is_empty() {
             opt.replace_vars(masters)?;
@@ -236,7 +204,7 @@ impl Accelerator {
         }));
         if let Some(k) = overlap {
             let stepper = crate::optim::parts::stepper(&shared, copies);
-            self.training.models_mut()[k].overlap = stepper;
+            self.training.models_mut()[k].set_part_stepper(stepper);
             return Ok(AcceleratedOptimizer::sharded(shared));
         }
         Ok(AcceleratedOptimizer::new(shared, copies)
@@ -255,12 +223,8 @@ impl Accelerator {
             )));
         }
         let ids: Vec<_> = opt.vars().iter().map(|v| v.as_tensor().id()).collect();
-        let mut models = self.training.models().iter().enumerate().filter(|(_, m)| {
-            m.compute
-                .iter()
-                .chain(&m.master)
-                .any(|v| ids.contains(&v.as_tensor().id()))
-        });
+        let models = self.training.models().iter().enumerate();
+        let mut models = models.filter(|(_, m)| m.holds_any(&ids));
         let (Some((k, m)), None) = (models.next(), models.next()) else {
             return Err(Error::Prepare(
                 "with overlap = true an optimizer updates the variables of one prepared model \
@@ -268,7 +232,7 @@ impl Accelerator {
                     .into(),
             ));
         };
-        if m.overlap.is_some() {
+        if m.has_part_stepper() {
             return Err(Error::Prepare(
                 "with overlap = true each prepared model has one optimizer, which `backward` \
                  steps; this model already has one: give it a single optimizer (ivme's \
@@ -281,12 +245,10 @@ impl Accelerator {
 
     fn name_of(&self, var: &Var) -> Option<String> {
         let id = var.as_tensor().id();
-        self.training.models().iter().find_map(|m| {
-            m.master
-                .iter()
-                .position(|v| v.as_tensor().id() == id)
-                .map(|i| m.names[i].clone())
-        })
+        self.training
+            .models()
+            .iter()
+            .find_map(|m| m.name_of_master(id))
     }
 
     /// Wraps the optimizer of a sharded model: it updates this process's pieces only, and
@@ -300,7 +262,7 @@ impl Accelerator {
             .training
             .models()
             .iter()
-            .position(|m| m.compute.iter().any(|c| ids.contains(&c.as_tensor().id())))
+            .position(|m| ids.iter().any(|&id| m.position_of(id).is_some()))
         else {
             return Err(Error::Prepare(
                 "the optimizer updates a variable of no prepared model; prepare the VarMap \
@@ -309,45 +271,10 @@ impl Accelerator {
             ));
         };
         let m = &mut self.training.models_mut()[k];
-        let whole = ids.len() == m.compute.len()
-            && m.compute.iter().all(|c| ids.contains(&c.as_tensor().id()));
-        if !whole {
-            return Err(Error::Prepare(
-                "under sharding an optimizer updates all of one prepared model's variables: \
-                 build it over `varmap.all_vars()` (one optimizer per model); to train part of \
-                 a pretrained model under sharding, read the frozen part as constants \
-                 (`accelerator.load_base(..)` and `base_var_builder`, docs/finetune.md), so \
-                 the VarMap holds only what trains"
-                    .into(),
-            ));
-        }
-        m.trained.iter_mut().for_each(|t| *t = true);
-        let shard = m.shard.as_mut().expect("a sharded model");
-        if shard.stepper.is_some() {
-            return Err(Error::Prepare(
-                "this sharded model already has a prepared optimizer; under sharding each \
-                 model has exactly one"
-                    .into(),
-            ));
-        }
-        // ivme's optimizers update the pieces a slice boundary cuts in the weights themselves;
-        // another gets copies of those pieces.
-        let runs = shard.runs.clone();
-        let took_runs = runs.iter().any(Option::is_some)
-            && crate::optim::runs::rebind(&mut opt, shard.masters.clone(), runs)?;
-        if !took_runs {
-            shard.copy_runs()?;
-            opt.rebind_fresh(shard.masters.clone())?;
-        }
-        let names = shard
-            .plan
-            .pieces
-            .iter()
-            .map(|p| crate::checkpoint::layout::run_name(&m.names[p.param], p.from, p.len))
-            .collect();
+        let names = m.adopt_slice(&mut opt, &ids)?;
         let shared = Shared::new(opt);
         let stepped = shared.clone();
-        shard.stepper = Some(Box::new(move |g: &GradStore| {
+        m.set_slice_stepper(Box::new(move |g: &GradStore| {
             candle_nn::Optimizer::step(&mut *stepped.lock(), g)?;
             Ok(())
         }));

@@ -9,12 +9,10 @@
 //! epoch is split among the new ranks).
 
 use crate::accelerator::Accelerator;
-use crate::checkpoint::direct::{self, DirectFile};
+use crate::checkpoint::direct::DirectFile;
 use crate::checkpoint::format::bad;
-use crate::checkpoint::layout::run_name;
 use crate::checkpoint::layout::Layout;
 use crate::checkpoint::layout::Runs;
-use crate::checkpoint::layout::Whole;
 use crate::checkpoint::names::Kind;
 use crate::checkpoint::plan::Assembled;
 use crate::checkpoint::read;
@@ -22,7 +20,7 @@ use crate::checkpoint::store::{Listing, Manifest};
 use crate::checkpoint::RankState;
 use crate::error::Result;
 use crate::stateful::StateDict;
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -32,14 +30,7 @@ impl Accelerator {
     /// Elements `from..to` of model `i`'s flat parameter space that this process loads: its
     /// slice under sharding, everything otherwise.
     fn wanted_range(&self, i: usize) -> (usize, usize) {
-        let m = &self.training.models()[i];
-        match &m.shard {
-            Some(s) => (
-                s.plan.start,
-                s.plan.start + s.plan.counts[self.process_index()],
-            ),
-            None => (0, m.compute.iter().map(|v| v.elem_count()).sum()),
-        }
+        self.training.models()[i].wanted_range(self.process_index())
     }
 
     /// The saved ranks whose folders hold model or optimizer state this process loads.
@@ -92,8 +83,9 @@ impl Accelerator {
                     }
                 }
             }
-            self.check_shapes(&files(&name), i, &shapes)?;
-            models.push(self.assemble_model(&files(&name), i, runs, layout)?);
+            let model = &self.training.models()[i];
+            model.check_shapes(&files(&name), &shapes)?;
+            models.push(model.assemble(&files(&name), i, runs, layout)?);
         }
         let mut optimizers = Vec::with_capacity(self.training.optimizers().len());
         for j in 0..self.training.optimizers().len() {
@@ -118,7 +110,7 @@ impl Accelerator {
             .models()
             .iter()
             .enumerate()
-            .map(|(i, m)| (!layout.is_sharded() && m.shard.is_none()).then(|| Kind::Model.name(i)))
+            .map(|(i, m)| (!layout.is_sharded() && !m.is_sharded()).then(|| Kind::Model.name(i)))
             .collect()
     }
 
@@ -147,15 +139,11 @@ impl Accelerator {
             };
             let path = dir.join(&rel);
             let expect = (entry.size, entry.crc32);
-            if listed
+            if let Some(file) = listed
                 .get(name)
-                .is_some_and(|l| direct::fits(l, &m.names, &m.master))
+                .and_then(|l| m.direct_file(l, path.clone(), expect))
             {
-                out.push(Some(DirectFile {
-                    path,
-                    expect,
-                    names: m.names.clone(),
-                }));
+                out.push(Some(file));
                 continue;
             }
             let (header, tensors) = read::read_checked(&path, expect)?;
@@ -176,91 +164,6 @@ impl Accelerator {
         Ok(out)
     }
 
-    /// Refuses a sharded checkpoint whose recorded variable shapes differ from model `i`'s.
-    fn check_shapes(&self, file: &Path, i: usize, shapes: &Value) -> Result<()> {
-        let m = &self.training.models()[i];
-        for (name, v) in m.names.iter().zip(&m.compute) {
-            let Some(saved) = shapes.get(name) else {
-                continue;
-            };
-            let saved: Vec<usize> = serde_json::from_value(saved.clone()).map_err(|e| {
-                bad(
-                    file,
-                    format!("records a shape for `{name}` that cannot be read ({e})"),
-                )
-            })?;
-            if saved != v.dims() {
-                return Err(bad(
-                    file,
-                    format!(
-                        "has `{name}` with shape {saved:?} but the model's is {:?}; was it saved \
-                         by this model?",
-                        v.dims()
-                    ),
-                ));
-            }
-        }
-        Ok(())
-    }
-
-    fn assemble_model(
-        &self,
-        file: &Path,
-        i: usize,
-        mut runs: Runs,
-        layout: &Layout,
-    ) -> Result<Vec<Tensor>> {
-        let m = &self.training.models()[i];
-        if let Some(extra) = runs.keys().into_iter().find(|k| !m.names.contains(k)) {
-            return Err(bad(
-                file,
-                format!(
-                    "has `{extra}`, which model {i} does not have: was it saved by this model?"
-                ),
-            ));
-        }
-        let total: usize = m.compute.iter().map(|v| v.elem_count()).sum();
-        if let Some(counts) = layout.counts.get(i).filter(|_| layout.is_sharded()) {
-            let saved: usize = counts.iter().sum();
-            if saved != total {
-                return Err(bad(
-                    file,
-                    format!(
-                        "holds a model of {saved} parameters but model {i} has {total}: was it \
-                         saved by this model?"
-                    ),
-                ));
-            }
-        }
-        match &m.shard {
-            None => m
-                .names
-                .iter()
-                .zip(&m.master)
-                .map(|(name, v)| {
-                    let whole = Whole {
-                        dims: v.dims(),
-                        dtype: v.dtype(),
-                    };
-                    let t = runs.take(file, name, 0, v.elem_count(), &whole)?;
-                    Ok(t.reshape(v.dims())?)
-                })
-                .collect(),
-            Some(s) => s
-                .plan
-                .pieces
-                .iter()
-                .map(|p| {
-                    let whole = Whole {
-                        dims: m.compute[p.param].dims(),
-                        dtype: DType::F32,
-                    };
-                    runs.take(file, &m.names[p.param], p.from, p.len, &whole)
-                })
-                .collect(),
-        }
-    }
-
     /// An optimizer's saved state in this run's naming: `name::state` whole, or one
     /// `name[from..to]::state` per piece of this process's slice.
     fn assemble_optimizer(&self, file: &Path, mut runs: Runs, json: Value) -> Result<StateDict> {
@@ -275,11 +178,14 @@ impl Accelerator {
                     ),
                 ));
             };
-            let found = self.training.models().iter().find_map(|m| {
-                let k = m.names.iter().position(|n| n == name)?;
-                Some((m, k))
-            });
-            let Some((m, k)) = found else {
+            let mut found = None;
+            for m in self.training.models() {
+                found = m.assemble_optimizer_key(file, &mut runs, &key, (name, state))?;
+                if found.is_some() {
+                    break;
+                }
+            }
+            let Some(found) = found else {
                 return Err(bad(
                     file,
                     format!(
@@ -288,27 +194,7 @@ impl Accelerator {
                     ),
                 ));
             };
-            match &m.shard {
-                None => {
-                    let v = &m.master[k];
-                    let whole = Whole {
-                        dims: v.dims(),
-                        dtype: v.dtype(),
-                    };
-                    let t = runs.take(file, &key, 0, v.elem_count(), &whole)?;
-                    tensors.push((key.clone(), t.reshape(v.dims())?));
-                }
-                Some(s) => {
-                    let whole = Whole {
-                        dims: m.compute[k].dims(),
-                        dtype: DType::F32,
-                    };
-                    for p in s.plan.pieces.iter().filter(|p| p.param == k) {
-                        let t = runs.take(file, &key, p.from, p.len, &whole)?;
-                        tensors.push((format!("{}::{state}", run_name(name, p.from, p.len)), t));
-                    }
-                }
-            }
+            tensors.extend(found);
         }
         Ok(StateDict { tensors, json })
     }
@@ -317,9 +203,7 @@ impl Accelerator {
     /// process's model weights. Every rank calls it, after all of them applied the load.
     pub(crate) fn gather_loaded_slices(&self) -> Result<()> {
         for m in self.training.models() {
-            if let Some(shard) = &m.shard {
-                shard.gather_into(&self.comm, self.sync.bucket_bytes(), &m.compute, None)?;
-            }
+            m.gather_slice(&self.comm, self.sync.bucket_bytes())?;
         }
         Ok(())
     }

@@ -16,7 +16,6 @@
 
 use crate::accelerator::Accelerator;
 use crate::checkpoint::checks::check_scaler;
-use crate::checkpoint::direct;
 use crate::checkpoint::format::bad;
 use crate::checkpoint::layout::Layout;
 use crate::checkpoint::names;
@@ -30,7 +29,6 @@ use crate::checkpoint::plan::ModelLoad;
 use crate::checkpoint::plan::Plan;
 use crate::checkpoint::plan::Refusal;
 use crate::checkpoint::store;
-use crate::checkpoint::swap;
 use crate::checkpoint::RankState;
 use crate::data::LoopPosition;
 use crate::data::{same_files, DataFile, LoaderPosition};
@@ -40,7 +38,7 @@ use crate::precision::scaler::LossScaler;
 use crate::rng::RngState;
 use crate::stateful::StateDict;
 use crate::stateful::Stateful;
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 use serde_json::Value;
 use std::collections::BTreeSet;
 use std::path::Path;
@@ -326,25 +324,14 @@ impl Accelerator {
         file: &Path,
         saved: &[(String, Tensor)],
     ) -> Result<Vec<Vec<Option<Tensor>>>> {
-        let mut out: Vec<Vec<Option<Tensor>>> = self
-            .training
-            .models()
-            .iter()
-            .map(|m| vec![None; m.names.len()])
-            .collect();
+        let models = self.training.models();
+        let mut by_model: Vec<Vec<(String, &Tensor)>> = vec![Vec::new(); models.len()];
         for (key, t) in saved {
             let place = key.split_once("::").and_then(|(i, name)| {
                 let i: usize = i.parse().ok()?;
-                let j = self
-                    .training
-                    .models()
-                    .get(i)?
-                    .names
-                    .iter()
-                    .position(|n| n == name)?;
-                Some((i, j))
+                models.get(i)?.has_variable(name).then_some((i, name))
             });
-            let Some((i, j)) = place else {
+            let Some((i, name)) = place else {
                 return Err(bad(
                     file,
                     format!(
@@ -352,16 +339,13 @@ impl Accelerator {
                     ),
                 ));
             };
-            let master = &self.training.models()[i].master[j];
-            if t.dims() != master.dims() || t.dtype() != DType::F32 {
-                return Err(bad(
-                    file,
-                    format!("holds the partial gradient sum `{key}` as {:?} {:?} but the variable is F32 {:?}", t.dtype(), t.dims(), master.dims()),
-                ));
-            }
-            out[i][j] = Some(t.to_device(master.device())?);
+            by_model[i].push((name.to_string(), t));
         }
-        Ok(out)
+        models
+            .iter()
+            .zip(by_model)
+            .map(|(m, saved)| m.check_sums(file, saved))
+            .collect()
     }
 
     /// Applies a plan that every rank checked: all of it, or (when an object refuses its
@@ -369,7 +353,7 @@ impl Accelerator {
     fn apply_plan(&mut self, plan: Plan) -> Result<()> {
         let Plan {
             dir,
-            models,
+            models: models_saved,
             optimizers,
             loaders,
             rng,
@@ -392,31 +376,9 @@ impl Accelerator {
             self.data.loop_cursor().lock().resume_from(p);
         }
         self.mixed.restore_scaler(scaler);
-        for (m, s) in self.training.models_mut().iter_mut().zip(sums) {
-            m.sums = s;
-        }
-        for (m, saved) in self.training.models().iter().zip(models) {
-            match (&m.shard, saved) {
-                (_, ModelLoad::Direct(file)) => {
-                    direct::load_into(&file, &m.master)?;
-                    for (master, compute) in m.master.iter().zip(&m.compute) {
-                        crate::precision::refresh_copy(compute, master)?;
-                    }
-                }
-                // The pieces of this process's slice; `gather_loaded_slices` fills the weights.
-                (Some(shard), ModelLoad::Staged(saved)) => {
-                    // Copied: a piece may be a view into a larger saved run.
-                    for (k, t) in saved.into_iter().enumerate() {
-                        shard.set_piece(k, &t)?;
-                    }
-                }
-                (None, ModelLoad::Staged(saved)) => {
-                    for ((master, compute), t) in m.master.iter().zip(&m.compute).zip(saved) {
-                        swap::move_into(master, t)?;
-                        crate::precision::refresh_copy(compute, master)?;
-                    }
-                }
-            }
+        let models = self.training.models_mut().iter_mut();
+        for ((m, sums), saved) in models.zip(sums).zip(models_saved) {
+            m.apply_load(sums, saved)?;
         }
         Ok(())
     }

@@ -93,29 +93,10 @@ impl Accelerator {
     pub fn held_bytes(&self) -> Result<HeldBytes> {
         let mut held = HeldBytes::default();
         for m in self.training.models() {
-            held.weights += m
-                .compute
-                .iter()
-                .map(|v| bytes(v.as_tensor()))
-                .sum::<usize>();
-            held.masters += match &m.shard {
-                Some(s) => s
-                    .masters
-                    .iter()
-                    .zip(&s.aliased)
-                    .filter(|(_, aliased)| !**aliased)
-                    .map(|(v, _)| bytes(v.as_tensor()))
-                    .sum::<usize>(),
-                None => m
-                    .compute
-                    .iter()
-                    .zip(&m.master)
-                    .filter(|(c, ms)| c.as_tensor().id() != ms.as_tensor().id())
-                    .map(|(_, ms)| bytes(ms.as_tensor()))
-                    .sum(),
-            };
-            held.gradients += m.sums.iter().flatten().map(bytes).sum::<usize>();
-            held.gradients += m.buffers.bytes();
+            let (weights, masters, gradients) = m.held_bytes();
+            held.weights += weights;
+            held.masters += masters;
+            held.gradients += gradients;
         }
         for o in self.training.optimizers() {
             held.optimizer += o

@@ -4,8 +4,8 @@
 use super::{Linked, OptimizerLink, StatefulOptimizer};
 use crate::error::{Error, Result};
 use crate::observe::step_times::{Phase, StepClock};
+use crate::optim::gradients::Gradients;
 use crate::stateful::{Shared, StateDict, Stateful};
-use crate::train::grads::Gradients;
 use candle_core::Var;
 use std::sync::{Arc, MutexGuard};
 

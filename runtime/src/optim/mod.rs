@@ -9,6 +9,7 @@ pub(crate) mod accelerated;
 pub mod adamw;
 pub mod any;
 pub(crate) mod fused;
+pub mod gradients;
 pub(crate) mod parts;
 pub(crate) mod runs;
 pub mod schedule;
@@ -20,6 +21,7 @@ pub use accelerated::AcceleratedOptimizer;
 pub use adamw::AdamW;
 pub use any::{AnyOptimizer, AnyParams};
 pub use candle_nn::ParamsAdamW;
+pub use gradients::Gradients;
 pub use schedule::{
     ConstantLr, ExponentialLr, LambdaLr, LrSchedule, LrScheduler, StepLr, WarmupConstant,
     WarmupCosine, WarmupLinear,

@@ -88,7 +88,7 @@ pub(crate) fn chunks(
 /// `bucket_bytes` (a tensor larger than a bucket travels alone).
 ///
 /// `position` says where this rank's data stands (see
-/// [`GradientState::position`](crate::train::grads::GradientState::position)); every rank must pass
+/// [`GradientState::position`](crate::train::window::GradientState::position)); every rank must pass
 /// the same value, or the sync fails on every rank instead of averaging gradients of
 /// different batches.
 pub fn all_reduce_bucketed(
@@ -178,27 +178,16 @@ impl SyncBuffers {
     /// `check_overflow`).
     ///
     /// Call only after [`fits`](Self::fits) said yes for these `sums`.
-    #[allow(clippy::too_many_arguments)]
     pub fn sync(
         &mut self,
         comm: &dyn Communicator,
-        sums: &mut [Option<Tensor>],
-        master: &[Var],
+        work: Work,
         synced: &[usize],
-        position: u64,
         bucket_bytes: usize,
-        finish: Finish,
-        check_overflow: bool,
         store: &mut GradStore,
     ) -> Result<bool> {
+        let master = work.master;
         self.lay_out(master, synced, bucket_bytes);
-        let work = Work {
-            sums,
-            master,
-            position,
-            finish,
-            check_overflow,
-        };
         self.run(comm, work, |landed| {
             if let Landed::Whole(i, t) = landed {
                 store.insert(master[i].as_tensor(), t);

@@ -4,29 +4,30 @@
 use super::*;
 
 /// Syncs on one process (the identity communicator), at position 0.
-#[allow(clippy::too_many_arguments)]
 fn sync_alone(
     bufs: &mut SyncBuffers,
-    sums: &mut [Option<Tensor>],
-    vars: &[Var],
+    work: Work,
     synced: &[usize],
     bucket_bytes: usize,
-    finish: Finish,
-    check: bool,
     store: &mut GradStore,
 ) -> Result<bool> {
-    let comm = crate::comm::SingleComm;
-    bufs.sync(
-        &comm,
+    bufs.sync(&crate::comm::SingleComm, work, synced, bucket_bytes, store)
+}
+
+/// The work of averaging `sums` of `vars` at position 0.
+fn work<'a>(
+    sums: &'a mut [Option<Tensor>],
+    vars: &'a [Var],
+    finish: Finish,
+    check_overflow: bool,
+) -> Work<'a> {
+    Work {
         sums,
-        vars,
-        synced,
-        0,
-        bucket_bytes,
+        master: vars,
+        position: 0,
         finish,
-        check,
-        store,
-    )
+        check_overflow,
+    }
 }
 
 #[test]
@@ -76,12 +77,9 @@ fn a_variable_larger_than_a_bucket_syncs_through_one_bucket_buffers() -> Result<
     // Buckets of 100 values.
     let of = sync_alone(
         &mut bufs,
-        &mut sums,
-        &vars,
+        work(&mut sums, &vars, finish, true),
         &[0, 1],
         400,
-        finish,
-        true,
         &mut store,
     )?;
     assert!(!of);
@@ -96,12 +94,9 @@ fn a_variable_larger_than_a_bucket_syncs_through_one_bucket_buffers() -> Result<
     let mut sums = vec![Some(Tensor::new(late.as_slice(), &d)?), None];
     assert!(sync_alone(
         &mut bufs,
-        &mut sums,
-        &vars,
+        work(&mut sums, &vars, finish, true),
         &[0, 1],
         400,
-        finish,
-        true,
         &mut store
     )?);
     Ok(())
@@ -139,12 +134,9 @@ fn one_process_sync_writes_the_finished_values_into_the_sums() -> Result<()> {
     };
     let of = sync_alone(
         &mut bufs,
-        &mut sums,
-        &vars,
+        work(&mut sums, &vars, finish, true),
         &[0, 1],
         1 << 20,
-        finish,
-        true,
         &mut store,
     )?;
     assert!(!of);
@@ -156,12 +148,9 @@ fn one_process_sync_writes_the_finished_values_into_the_sums() -> Result<()> {
     let mut sums = vec![Some(Tensor::new(&[f32::INFINITY, 0.0, 0.0], &d)?), None];
     assert!(sync_alone(
         &mut bufs,
-        &mut sums,
-        &vars,
+        work(&mut sums, &vars, finish, true),
         &[0, 1],
         1 << 20,
-        finish,
-        true,
         &mut store
     )?);
     Ok(())
@@ -190,12 +179,9 @@ fn the_buckets_lay_out_the_synced_variables_only() -> Result<()> {
     };
     sync_alone(
         &mut bufs,
-        &mut sums,
-        &vars,
+        work(&mut sums, &vars, finish, false),
         &[1],
         1 << 20,
-        finish,
-        false,
         &mut store,
     )?;
     // Send and receive buffers sized for the 3 synced values, not the 1003.

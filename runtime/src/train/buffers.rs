@@ -17,7 +17,7 @@
 use crate::comm::{Communicator, ReduceOp};
 use crate::error::{Error, Result};
 use crate::setup::config::BufferSync;
-use crate::train::grads::ParamSet;
+use crate::train::params::ParamSet;
 use candle_core::{DType, Tensor};
 
 /// The last name segments candle gives the state its layers keep outside the weights.

@@ -3,7 +3,7 @@
 //! silently never trained — most often because an op without a backward pass (candle-nn's
 //! fused `rms_norm`, `softmax_last_dim`, `layer_norm`) cut the graph below the loss.
 
-use crate::train::grads::ParamSet;
+use crate::train::params::ParamSet;
 use candle_core::backprop::GradStore;
 
 /// Backward passes watched before the verdict: enough for a GAN's or a multi-loss loop's

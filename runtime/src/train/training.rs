@@ -2,11 +2,15 @@
 //! accumulation window stands. One part of the [`Accelerator`](crate::Accelerator); the other
 //! parts read it through this narrow API and never touch its lists directly.
 
+use crate::comm::Communicator;
+use crate::error::Result;
 use crate::optim::accelerated::PreparedSlot;
-use crate::train::grads::{GradientState, ParamSet};
+use crate::setup::config::BufferSync;
+use crate::train::params::ParamSet;
 use crate::train::reach::{Reach, Unreached};
+use crate::train::window::GradientState;
 use candle_core::backprop::GradStore;
-use candle_core::{TensorId, Var};
+use candle_core::{Tensor, TensorId, Var};
 use std::sync::Arc;
 
 /// The prepared models and optimizers, in preparation order, and the shared window state.
@@ -149,5 +153,46 @@ impl Training {
             .iter()
             .flat_map(|m| m.names.iter().cloned().zip(m.master.iter().cloned()))
             .collect()
+    }
+
+    /// Adds a micro-batch's gradients to each model's window sums; says which models the loss
+    /// reached (`[i]` for model `i`).
+    pub(crate) fn accumulate(&mut self, store: &GradStore) -> Result<Vec<bool>> {
+        self.models
+            .iter_mut()
+            .map(|m| m.accumulate(store))
+            .collect()
+    }
+
+    /// Brings the buffers of the models this window trained (`touched`) to agreement as `mode`
+    /// says, after adopting as buffers the variables that changed in the forward without a
+    /// gradient (warned once, on the main process: it changes what trains).
+    pub(crate) fn end_window_buffers(
+        &mut self,
+        comm: &dyn Communicator,
+        mode: BufferSync,
+        touched: &[bool],
+    ) -> Result<()> {
+        let main = comm.rank() == 0;
+        for m in self.touched_mut(touched) {
+            let adopted = m.adopt_undeclared_buffers(comm)?;
+            if main && !adopted.is_empty() {
+                warn_user!(
+                    "{} received no gradient but changed in the forward, so they are kept \
+                     as buffers (agreed across processes as `buffers = {mode}` says, never \
+                     stepped); call `accelerator.register_buffer(&var)` to say so and silence \
+                     this",
+                    adopted.join(", ")
+                );
+            }
+            m.sync_buffers(comm, mode)?;
+        }
+        Ok(())
+    }
+
+    /// The window sum of the variable `id` (the one a model computes with, or its master)
+    /// so far, if a backward of the current window reached it.
+    pub(crate) fn window_sum(&self, id: TensorId) -> Option<&Tensor> {
+        self.models.iter().find_map(|m| m.window_sum(id))?
     }
 }

@@ -11,6 +11,7 @@
 //! straight into the variables' own CPU storage; elsewhere (a GPU) each variable is assembled
 //! and set once.
 
+use super::WindowEnd;
 use crate::comm::Communicator;
 use crate::error::Result;
 use crate::optim::fused;
@@ -200,19 +201,16 @@ impl Sharded {
     /// Stage 2: every rank sends its window sums (`sums`, each dropped once packed), bucket by
     /// bucket, and receives its slice's sum, which becomes the mean gradient of each piece in
     /// `store`, with this process's share of the overflow check and of the squared norm.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn reduce_scatter(
+    pub(in crate::train) fn reduce_scatter(
         &self,
-        comm: &dyn Communicator,
-        position: u64,
-        bucket_bytes: usize,
+        end: &WindowEnd,
         buffers: &mut SyncBuffers,
         sums: &mut [Option<Tensor>],
-        inv_scale: f64,
-        check_overflow: bool,
         want_norm: bool,
         store: &mut GradStore,
     ) -> Result<Partial> {
+        let (comm, position, inv_scale) = (end.comm, end.position, end.inv_scale);
+        let (bucket_bytes, check_overflow) = (end.settings.bucket_bytes(), end.check_overflow);
         let plan = &self.plan;
         let (world, rank) = (comm.world_size(), comm.rank());
         let present: Vec<bool> = sums.iter().map(Option::is_some).collect();

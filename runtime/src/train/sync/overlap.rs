@@ -18,11 +18,12 @@ use std::sync::mpsc;
 use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};
 
+use super::WindowEnd;
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::optim::parts::{Part, PartStepper};
 use crate::train::bucket::{Finish, Landed, Work};
-use crate::train::grads::ParamSet;
+use crate::train::params::ParamSet;
 
 /// What overlap cannot do well on this machine, as warnings: MPI did not grant a second
 /// thread its calls, or the `local_world` processes here leave no core beside their compute
@@ -67,7 +68,11 @@ unsafe impl Send for Lent<'_> {}
 impl ParamSet {
     /// Whether this window can end overlapped: several processes, a backend that lends itself
     /// to a thread, gradients the persistent buffers take, and more than one bucket.
-    pub(crate) fn can_overlap(&mut self, comm: &dyn Communicator, bucket_bytes: usize) -> bool {
+    pub(in crate::train) fn can_overlap(
+        &mut self,
+        comm: &dyn Communicator,
+        bucket_bytes: usize,
+    ) -> bool {
         if comm.world_size() < 2 || !comm.lends_to_threads() || !self.buffers.fits(&self.sums) {
             return false;
         }
@@ -76,20 +81,34 @@ impl ParamSet {
     }
 
     /// Ends the window overlapped (call after [`can_overlap`](Self::can_overlap) said yes):
-    /// averages the sums bucket by bucket on a thread of its own while `step` updates what each
-    /// bucket brought; moves the means into `store` keyed by master variable. Returns how many
-    /// buckets' parts were stepped while a later bucket was still being averaged.
-    pub(crate) fn end_overlapped(
+    /// averages the sums bucket by bucket on a thread of its own while the model's optimizer
+    /// updates what each bucket brought; moves the means into `store` keyed by master
+    /// variable. Returns how many buckets' parts were stepped while a later bucket was still
+    /// being averaged.
+    pub(in crate::train) fn end_overlapped(
         &mut self,
-        comm: &dyn Communicator,
-        position: u64,
-        bucket_bytes: usize,
+        end: &WindowEnd,
+        store: &mut GradStore,
+    ) -> Result<u64> {
+        let mut step = self.overlap.take().expect("a model prepared for overlap");
+        let hidden = self.step_while_syncing(end, &mut step, store);
+        self.overlap = Some(step);
+        hidden
+    }
+
+    /// [`end_overlapped`](Self::end_overlapped)'s work, with the model's optimizer `step`.
+    fn step_while_syncing(
+        &mut self,
+        end: &WindowEnd,
         step: &mut PartStepper,
         store: &mut GradStore,
     ) -> Result<u64> {
+        let (comm, position) = (end.comm, end.position);
         let world = comm.world_size();
         let synced = self.synced_dropping_others();
-        let buckets = self.buffers.lay_out(&self.master, &synced, bucket_bytes);
+        let buckets = self
+            .buffers
+            .lay_out(&self.master, &synced, end.settings.bucket_bytes());
         let finish = Finish {
             inv_world: 1.0 / world as f32,
             inv_scale: None,
