@@ -71,7 +71,7 @@ impl Accelerator {
         let mut unsent = Vec::new();
         for (name, var) in named {
             let dt = var.dtype();
-            let statistic = crate::train::buffers::is_batch_norm_statistic(&name);
+            let statistic = crate::precision::is_batch_norm_statistic(&name);
             let is_buffer = statistic || self.training.is_pending_buffer(var.as_tensor().id());
             if statistic && self.mixed.policy() != Precision::No && dt != DType::F32 {
                 return Err(Error::Precision(format!(

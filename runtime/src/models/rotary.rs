@@ -1,7 +1,19 @@
 //! Rotary position tables (cos and sin per position and frequency), with Llama 3's scaling.
 
-use super::llama::Llama3Scaling;
 use candle_core::{DType, Device, Result, Tensor};
+
+/// Llama 3's rotary frequency scaling (`rope_scaling` with `rope_type: "llama3"`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Llama3Scaling {
+    /// How much the low frequencies are divided by.
+    pub factor: f32,
+    /// Wavelengths above `original / low_freq_factor` are scaled fully.
+    pub low_freq_factor: f32,
+    /// Wavelengths below `original / high_freq_factor` are kept.
+    pub high_freq_factor: f32,
+    /// The context length the model was first trained with.
+    pub original_max_position_embeddings: usize,
+}
 
 /// The cos and sin tables of a rotary embedding, `(positions, head_dim / 2)` each, in f32.
 #[derive(Debug, Clone)]

@@ -19,7 +19,8 @@ use candle_core::{
     CpuStorage, CustomOp3, DType, Device, Layout, Result, Shape, Storage, Tensor, D,
 };
 
-use self::cpu::{Geometry, Kernel, MaskRows, Plan, View};
+use self::cpu::{Geometry, MaskRows, Plan, View};
+use self::matrix::Kernel;
 use super::elem;
 
 const OP: &str = "attention";

@@ -79,7 +79,7 @@ impl SimpleBackend for SeededInit {
         }
         // BatchNorm's statistics stay f32 under bf16/fp16: candle's BatchNorm updates them
         // with f32 batch statistics (buffers.rs).
-        let dtype = if self.low.is_some() && crate::train::buffers::is_batch_norm_statistic(name) {
+        let dtype = if self.low.is_some() && crate::precision::is_batch_norm_statistic(name) {
             DType::F32
         } else {
             dtype

@@ -16,6 +16,16 @@ use crate::precision::scaler::LossScaler;
 use crate::setup::config::Precision;
 use crate::stateful::Shared;
 
+/// The last name segments candle gives the state its layers keep outside the weights.
+const CANDLE_BUFFER_NAMES: &[&str] = &["running_mean", "running_var", "num_batches_tracked"];
+
+/// Whether `name` is one of the statistics candle's BatchNorm keeps (by its last segment):
+/// a buffer, kept in f32 and never given a master.
+pub(crate) fn is_batch_norm_statistic(name: &str) -> bool {
+    let last = name.rsplit('.').next().unwrap_or(name);
+    CANDLE_BUFFER_NAMES.contains(&last)
+}
+
 /// Rounds `master` (f32) into `compute`, the low-precision copy the model computes with,
 /// after the master changed (an optimizer step, a load). Does nothing when the model computes
 /// with the master itself (f32 runs).

@@ -16,18 +16,10 @@
 
 use crate::comm::{Communicator, ReduceOp};
 use crate::error::{Error, Result};
+use crate::precision::is_batch_norm_statistic;
 use crate::setup::config::BufferSync;
 use crate::train::params::ParamSet;
 use candle_core::{DType, Tensor};
-
-/// The last name segments candle gives the state its layers keep outside the weights.
-const CANDLE_BUFFER_NAMES: &[&str] = &["running_mean", "running_var", "num_batches_tracked"];
-
-/// Whether `name` is one of the statistics candle's BatchNorm keeps (by its last segment).
-pub(crate) fn is_batch_norm_statistic(name: &str) -> bool {
-    let last = name.rsplit('.').next().unwrap_or(name);
-    CANDLE_BUFFER_NAMES.contains(&last)
-}
 
 impl ParamSet {
     /// The names of this model's buffers, in name order.

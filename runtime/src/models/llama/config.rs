@@ -2,6 +2,7 @@
 //! Qwen2 write theirs in one shape) and checked once, with the fix named for what is refused.
 
 use crate::error::{Error, Result};
+pub use crate::models::rotary::Llama3Scaling;
 use serde::Deserialize;
 use std::path::Path;
 
@@ -17,19 +18,6 @@ pub enum Flavor {
     /// Phi-3 (`"phi3"`): the query, key and value projections fused into one `qkv_proj`, the
     /// MLP's gate and up into one `gate_up_proj`.
     Phi3,
-}
-
-/// Llama 3's rotary frequency scaling (`rope_scaling` with `rope_type: "llama3"`).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Llama3Scaling {
-    /// How much the low frequencies are divided by.
-    pub factor: f32,
-    /// Wavelengths above `original / low_freq_factor` are scaled fully.
-    pub low_freq_factor: f32,
-    /// Wavelengths below `original / high_freq_factor` are kept.
-    pub high_freq_factor: f32,
-    /// The context length the model was first trained with.
-    pub original_max_position_embeddings: usize,
 }
 
 /// A llama-family model's shape and settings.

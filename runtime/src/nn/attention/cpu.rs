@@ -6,13 +6,11 @@
 //! through their strides (a transposed `q` is not copied); bf16 and f16 are widened to f32 once
 //! per head for `k`, `v` and once per block for `q`, `dO`.
 
-use half::{bf16, f16};
 use rayon::prelude::*;
 
 use super::exp;
 pub(crate) use super::matrix::View;
-use super::matrix::{load, mm, store, Mat};
-use crate::nn::elem::Elem;
+use super::matrix::{load, mm, store, Kernel, Mat};
 
 /// Query rows per block: a block's scores are `BLOCK × t_k` f32.
 const BLOCK: usize = 64;
@@ -21,38 +19,6 @@ const BLOCK: usize = 64;
 /// and the kv heads give fewer): enough for the cores of a usual machine, and independent of
 /// the thread count so that results are.
 const MIN_UNITS: usize = 8;
-
-/// An element type the kernels take: f32 is used in place, the half types are widened.
-pub(crate) trait Kernel: Elem {
-    /// The elements as f32 when they are f32.
-    fn as_f32(s: &[Self]) -> Option<&[f32]>;
-    /// The elements as mutable f32 when they are f32.
-    fn as_f32_mut(s: &mut [Self]) -> Option<&mut [f32]>;
-}
-
-impl Kernel for f32 {
-    fn as_f32(s: &[Self]) -> Option<&[f32]> {
-        Some(s)
-    }
-    fn as_f32_mut(s: &mut [Self]) -> Option<&mut [f32]> {
-        Some(s)
-    }
-}
-
-macro_rules! widened {
-    ($t:ty) => {
-        impl Kernel for $t {
-            fn as_f32(_: &[Self]) -> Option<&[f32]> {
-                None
-            }
-            fn as_f32_mut(_: &mut [Self]) -> Option<&mut [f32]> {
-                None
-            }
-        }
-    };
-}
-widened!(bf16);
-widened!(f16);
 
 /// Which keys each query row sees before the additive mask.
 #[derive(Debug, Clone, Copy)]

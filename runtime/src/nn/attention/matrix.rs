@@ -2,8 +2,41 @@
 //! one head's rows widened to f32, a product through gemm on the calling thread, and a block
 //! written back in the tensor's dtype.
 
-use super::cpu::Kernel;
+use crate::nn::elem::Elem;
 use candle_core::{Layout, Result};
+use half::{bf16, f16};
+
+/// An element type the kernels take: f32 is used in place, the half types are widened.
+pub(crate) trait Kernel: Elem {
+    /// The elements as f32 when they are f32.
+    fn as_f32(s: &[Self]) -> Option<&[f32]>;
+    /// The elements as mutable f32 when they are f32.
+    fn as_f32_mut(s: &mut [Self]) -> Option<&mut [f32]>;
+}
+
+impl Kernel for f32 {
+    fn as_f32(s: &[Self]) -> Option<&[f32]> {
+        Some(s)
+    }
+    fn as_f32_mut(s: &mut [Self]) -> Option<&mut [f32]> {
+        Some(s)
+    }
+}
+
+macro_rules! widened {
+    ($t:ty) => {
+        impl Kernel for $t {
+            fn as_f32(_: &[Self]) -> Option<&[f32]> {
+                None
+            }
+            fn as_f32_mut(_: &mut [Self]) -> Option<&mut [f32]> {
+                None
+            }
+        }
+    };
+}
+widened!(bf16);
+widened!(f16);
 
 /// A 4-d tensor's elements read through its layout.
 #[derive(Clone, Copy)]
