@@ -380,17 +380,12 @@ struct AttentionBwd {
     grad: Tensor,
 }
 
-#[allow(clippy::too_many_arguments)]
 fn bwd<T: Kernel>(
     op: &AttentionOp,
-    q: &[T],
-    l1: &Layout,
-    k: &[T],
-    l2: &Layout,
-    v: &[T],
-    l3: &Layout,
-    g: &[T],
-    l4: &Layout,
+    (q, l1): (&[T], &Layout),
+    (k, l2): (&[T], &Layout),
+    (v, l3): (&[T], &Layout),
+    (g, l4): (&[T], &Layout),
 ) -> Result<Vec<T>> {
     let [dq, dk, dv, dout] = op.dims();
     let (q, k, v) = (
@@ -403,7 +398,7 @@ fn bwd<T: Kernel>(
     let mut all = vec![T::of(0.); n(dq) + n(dk) + n(dv)];
     let (gq, rest) = all.split_at_mut(n(dq));
     let (gk, gv) = rest.split_at_mut(n(dk));
-    cpu::backward(&op.0, q, k, v, g, gq, gk, gv);
+    cpu::backward(&op.0, [q, k, v, g], gq, gk, gv);
     Ok(all)
 }
 
@@ -428,9 +423,11 @@ impl CustomOp3 for AttentionBwd {
         };
         let op = AttentionOp(self.plan.clone());
         let all = match (s1, s2, s3, g) {
-            (F32(q), F32(k), F32(v), F32(g)) => F32(bwd(&op, q, l1, k, l2, v, l3, g, l4)?),
-            (BF16(q), BF16(k), BF16(v), BF16(g)) => BF16(bwd(&op, q, l1, k, l2, v, l3, g, l4)?),
-            (F16(q), F16(k), F16(v), F16(g)) => F16(bwd(&op, q, l1, k, l2, v, l3, g, l4)?),
+            (F32(q), F32(k), F32(v), F32(g)) => F32(bwd(&op, (q, l1), (k, l2), (v, l3), (g, l4))?),
+            (BF16(q), BF16(k), BF16(v), BF16(g)) => {
+                BF16(bwd(&op, (q, l1), (k, l2), (v, l3), (g, l4))?)
+            }
+            (F16(q), F16(k), F16(v), F16(g)) => F16(bwd(&op, (q, l1), (k, l2), (v, l3), (g, l4))?),
             _ => return Err(mismatch(&[s1, s2, s3, g])),
         };
         let len = op.dims()[..3]

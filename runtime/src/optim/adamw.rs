@@ -106,7 +106,7 @@ impl InParts for AdamW {
         };
         let p = &self.params;
         let fused =
-            super::fused::AdamWStep::new(p.beta1, p.beta2, scale_m, scale_v, p.eps, decay, lr);
+            super::fused::AdamWStep::new((p.beta1, p.beta2), (scale_m, scale_v), p.eps, decay, lr);
         for ((var, (m, v)), run) in self.vars.iter().zip(&self.moments).zip(&self.runs) {
             let Some(grad) = grads.get(var) else {
                 continue;
@@ -161,7 +161,11 @@ impl InParts for AdamW {
         }
         let p = &self.params;
         let fused = super::fused::AdamWStep::new(
-            p.beta1, p.beta2, o.scale_m, o.scale_v, p.eps, o.decay, o.lr,
+            (p.beta1, p.beta2),
+            (o.scale_m, o.scale_v),
+            p.eps,
+            o.decay,
+            o.lr,
         );
         super::fused::adamw(&theta, &m, &v, grad, fused)?;
         Ok(true)

@@ -96,12 +96,10 @@ pub(crate) struct AdamWStep {
 
 impl AdamWStep {
     /// The step's constants from the f64 values the op-by-op path scales by.
-    #[allow(clippy::too_many_arguments)]
+    /// `betas` are (β₁, β₂), `scales` the bias corrections' (m, v) factors.
     pub(crate) fn new(
-        beta1: f64,
-        beta2: f64,
-        scale_m: f64,
-        scale_v: f64,
+        (beta1, beta2): (f64, f64),
+        (scale_m, scale_v): (f64, f64),
         eps: f64,
         decay: f64,
         lr: f64,

@@ -166,8 +166,8 @@ pub(crate) fn forward<T: Kernel>(p: &Plan, q: View<T>, k: View<T>, v: View<T>) -
         .for_each(|(bh, out)| {
             let (b, h) = (bh / hq, bh % hq);
             let (mut kbuf, mut vbuf) = (Vec::new(), Vec::new());
-            let km = load(&k, b, h / rep, 0, geo.tk, d, &mut kbuf);
-            let vm = load(&v, b, h / rep, 0, geo.tk, dv, &mut vbuf);
+            let km = load(&k, (b, h / rep), 0..geo.tk, d, &mut kbuf);
+            let vm = load(&v, (b, h / rep), 0..geo.tk, dv, &mut vbuf);
             out.par_chunks_mut(BLOCK * dv)
                 .enumerate()
                 .for_each(|(blk, out)| {
@@ -178,9 +178,17 @@ pub(crate) fn forward<T: Kernel>(p: &Plan, q: View<T>, k: View<T>, v: View<T>) -
                         return;
                     }
                     let mut qbuf = Vec::new();
-                    let qm = load(&q, b, h, i0, n, d, &mut qbuf);
+                    let qm = load(&q, (b, h), i0..i0 + n, d, &mut qbuf);
                     let mut s = vec![0f32; n * w];
-                    mm(&mut s, w, n, w, d, false, qm, km.skip_rows(c0).t(), p.scale);
+                    mm(
+                        &mut s,
+                        w,
+                        [n, w, d],
+                        false,
+                        qm,
+                        km.skip_rows(c0).t(),
+                        p.scale,
+                    );
                     // exp(s - max) · v, then each row divided by its Σ exp.
                     let inv: Vec<f32> = s
                         .chunks_mut(w)
@@ -189,7 +197,7 @@ pub(crate) fn forward<T: Kernel>(p: &Plan, q: View<T>, k: View<T>, v: View<T>) -
                         .collect();
                     let em = Mat::dense(&s, w);
                     store(out, |o| {
-                        mm(o, dv, n, dv, w, false, em, vm.skip_rows(c0), 1.);
+                        mm(o, dv, [n, dv, w], false, em, vm.skip_rows(c0), 1.);
                         for (row, inv) in o.chunks_mut(dv).zip(&inv) {
                             for x in row {
                                 *x *= inv;
@@ -203,13 +211,9 @@ pub(crate) fn forward<T: Kernel>(p: &Plan, q: View<T>, k: View<T>, v: View<T>) -
 
 /// The gradients of `q`, `k` and `v` (dense, in the inputs' shapes) from `go`, the gradient of
 /// the output; the probabilities are recomputed block by block.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn backward<T: Kernel>(
     p: &Plan,
-    q: View<T>,
-    k: View<T>,
-    v: View<T>,
-    go: View<T>,
+    [q, k, v, go]: [View<T>; 4],
     dq: &mut [T],
     dk: &mut [T],
     dv: &mut [T],
@@ -255,8 +259,8 @@ pub(crate) fn backward<T: Kernel>(
         .for_each(|(u, ((dq, dk), dv))| {
             let (b, kvh) = (u / parts / hkv, u / parts % hkv);
             let (mut kbuf, mut vbuf) = (Vec::new(), Vec::new());
-            let km = load(&k, b, kvh, 0, tk, d, &mut kbuf);
-            let vm = load(&v, b, kvh, 0, tk, dvw, &mut vbuf);
+            let km = load(&k, (b, kvh), 0..tk, d, &mut kbuf);
+            let vm = load(&v, (b, kvh), 0..tk, dvw, &mut vbuf);
             let (mut qbuf, mut gbuf) = (Vec::new(), Vec::new());
             for (j, dq) in dq.chunks_mut(geo.tq * d).enumerate() {
                 let h = (u * per + j) % hq;
@@ -266,10 +270,18 @@ pub(crate) fn backward<T: Kernel>(
                     if w == 0 {
                         continue;
                     }
-                    let qm = load(&q, b, h, i0, n, d, &mut qbuf);
-                    let gm = load(&go, b, h, i0, n, dvw, &mut gbuf);
+                    let qm = load(&q, (b, h), i0..i0 + n, d, &mut qbuf);
+                    let gm = load(&go, (b, h), i0..i0 + n, dvw, &mut gbuf);
                     let mut s = vec![0f32; n * w];
-                    mm(&mut s, w, n, w, d, false, qm, km.skip_rows(c0).t(), p.scale);
+                    mm(
+                        &mut s,
+                        w,
+                        [n, w, d],
+                        false,
+                        qm,
+                        km.skip_rows(c0).t(),
+                        p.scale,
+                    );
                     let mut th = vec![0f32; if p.softcap.is_some() { n * w } else { 0 }];
                     let mut th_rows = th.chunks_mut(w.max(1));
                     for (r, row) in s.chunks_mut(w).enumerate() {
@@ -277,7 +289,7 @@ pub(crate) fn backward<T: Kernel>(
                     }
                     // dP = dO · Vᵀ, then dS = P ∘ (dP − Σ P ∘ dP), through the softcap's tanh.
                     let mut ds = vec![0f32; n * w];
-                    mm(&mut ds, w, n, w, dvw, false, gm, vm.skip_rows(c0).t(), 1.);
+                    mm(&mut ds, w, [n, w, dvw], false, gm, vm.skip_rows(c0).t(), 1.);
                     for (r, (dr, pr)) in ds.chunks_mut(w).zip(s.chunks(w)).enumerate() {
                         let dot: f32 = dr.iter().zip(pr).map(|(g, p)| g * p).sum();
                         dr.iter_mut().zip(pr).for_each(|(g, p)| *g = p * (*g - dot));
@@ -289,10 +301,10 @@ pub(crate) fn backward<T: Kernel>(
                     let (dsm, pm) = (Mat::dense(&ds, w), Mat::dense(&s, w));
                     let kc = km.skip_rows(c0);
                     store(&mut dq[i0 * d..(i0 + n) * d], |o| {
-                        mm(o, d, n, d, w, false, dsm, kc, p.scale)
+                        mm(o, d, [n, d, w], false, dsm, kc, p.scale)
                     });
-                    mm(&mut dk[c0 * d..], d, w, d, n, true, dsm.t(), qm, p.scale);
-                    mm(&mut dv[c0 * dvw..], dvw, w, dvw, n, true, pm.t(), gm, 1.);
+                    mm(&mut dk[c0 * d..], d, [w, d, n], true, dsm.t(), qm, p.scale);
+                    mm(&mut dv[c0 * dvw..], dvw, [w, dvw, n], true, pm.t(), gm, 1.);
                 }
             }
         });

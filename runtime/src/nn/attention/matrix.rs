@@ -108,16 +108,14 @@ impl<'a> Mat<'a> {
 }
 
 /// Rows `r0..r0 + n` (`cols` wide) of head `(b, h)` as f32: in place for f32, else widened into `buf`.
-#[allow(clippy::too_many_arguments)]
 pub(super) fn load<'a, T: Kernel>(
     v: &View<'a, T>,
-    b: usize,
-    h: usize,
-    r0: usize,
-    n: usize,
+    (b, h): (usize, usize),
+    rows: std::ops::Range<usize>,
     cols: usize,
     buf: &'a mut Vec<f32>,
 ) -> Mat<'a> {
+    let (r0, n) = (rows.start, rows.len());
     let base = v.start + b * v.stride[0] + h * v.stride[1] + r0 * v.stride[2];
     if let Some(data) = T::as_f32(v.data) {
         return Mat {
@@ -142,13 +140,10 @@ pub(super) fn load<'a, T: Kernel>(
 
 /// `dst = beta · a · b` (`m × n`, row stride `ld`), or `dst += beta · a · b` when `acc`;
 /// `a` is `m × k`, `b` is `k × n`.
-#[allow(clippy::too_many_arguments)]
 pub(super) fn mm(
     dst: &mut [f32],
     ld: usize,
-    m: usize,
-    n: usize,
-    k: usize,
+    [m, n, k]: [usize; 3],
     acc: bool,
     a: Mat,
     b: Mat,
