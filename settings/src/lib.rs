@@ -156,7 +156,10 @@ mod tests {
         assert_eq!(names.len(), SETTINGS.len());
         for s in SETTINGS {
             for a in s.aliases {
-                assert!(Setting::by_attribute(a).is_none(), "{a} is a key and an alias");
+                assert!(
+                    Setting::by_attribute(a).is_none(),
+                    "{a} is a key and an alias"
+                );
             }
         }
     }
