@@ -140,6 +140,36 @@ pub const ATTRIBUTE_KEYS: [&str; attribute_count()] = {
     keys
 };
 
+/// Counts the aliases of every row (for [`ATTRIBUTE_ALIASES`]' length).
+const fn alias_count() -> usize {
+    let (mut i, mut n) = (0, 0);
+    while i < SETTINGS.len() {
+        if SETTINGS[i].attribute.is_some() {
+            n += SETTINGS[i].aliases.len();
+        }
+        i += 1;
+    }
+    n
+}
+
+/// Every alias the attribute knows, with the key it points to: `(alias, key)`.
+pub const ATTRIBUTE_ALIASES: [(&str, &str); alias_count()] = {
+    let mut pairs = [("", ""); alias_count()];
+    let (mut i, mut n) = (0, 0);
+    while i < SETTINGS.len() {
+        if let Some(key) = SETTINGS[i].attribute {
+            let mut j = 0;
+            while j < SETTINGS[i].aliases.len() {
+                pairs[n] = (SETTINGS[i].aliases[j], key);
+                n += 1;
+                j += 1;
+            }
+        }
+        i += 1;
+    }
+    pairs
+};
+
 #[cfg(test)]
 mod tests {
     use super::*;
