@@ -138,7 +138,9 @@ fn level_filter(
         Some(name) => name
             .trim()
             .parse::<LevelFilter>()
-            .map_err(|_| Error::config("IVME_LOG_LEVEL", &name, format!("use one of: {LEVELS}")))?,
+            .map_err(|_| {
+                Error::config(crate::env::LOG_LEVEL.name, &name, format!("use one of: {LEVELS}"))
+            })?,
         None => default,
     };
     Ok(EnvFilter::default().add_directive(level.into()))
