@@ -195,7 +195,11 @@ where
     }
 
     fn env_layer(&self) -> Option<&'static str> {
-        self.env.as_ref().filter(|e| e.read).and(self.var).map(|v| v.name)
+        self.env
+            .as_ref()
+            .filter(|e| e.read)
+            .and(self.var)
+            .map(|v| v.name)
     }
 
     #[cfg(test)]

@@ -7,8 +7,8 @@ use crate::cli;
 use crate::row::{Env, Flag, Row, Setting};
 use crate::values;
 use ivme::env;
-use ivme_settings::{self as table, Bound};
 use ivme::{BufferSync, Precision, Sharding};
+use ivme_settings::{self as table, Bound};
 use std::path::PathBuf;
 use std::time::Duration;
 

@@ -2,8 +2,8 @@
 //! reading `(flag, raw, example)` into a value or saying, with the flag as typed and an
 //! example, what to write instead.
 
-use ivme_settings::Bound;
 use ivme::{BufferSync, Precision, Sharding};
+use ivme_settings::Bound;
 use std::time::Duration;
 
 /// Any text: a file name, an address.

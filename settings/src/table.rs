@@ -21,7 +21,8 @@ const ROW: Setting = Setting {
     doc: "",
 };
 
-/// Declares [`Id`], one constant per row and [`SETTINGS`], in one order.
+/// Declares [`Id`], one constant per row and [`SETTINGS`], in one order. (A row that sets every
+/// field leaves nothing to [`ROW`].)
 macro_rules! table {
     ($(
         #[doc = $doc:literal]
@@ -35,6 +36,7 @@ macro_rules! table {
 
         $(
             #[doc = $doc]
+            #[allow(clippy::needless_update)]
             pub const $konst: Setting = Setting { id: Id::$id, doc: $doc, $($field: $value,)* ..ROW };
         )*
 

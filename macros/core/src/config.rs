@@ -4,12 +4,12 @@
 
 use crate::errors::Errors;
 use crate::spelling::closest;
+#[cfg(test)]
+use crate::values::PRECISIONS;
 use crate::values::{
     boolean, buffer_mode, flops_per_sample, grad_accum, positive_float, precision, profile_dir,
     project_dir, seconds, seed, snapshot_every, total_limit, zero_stage,
 };
-#[cfg(test)]
-use crate::values::PRECISIONS;
 use ivme_settings::{self as table, Id};
 use proc_macro2::{Span, TokenStream};
 use quote::quote;
