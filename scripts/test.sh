@@ -19,5 +19,7 @@ if grep -rlnE "impl(<[^>]*>)? ([A-Za-z:]+ for )?Accelerator\b" runtime/src | gre
   echo "test.sh: the files above write impl Accelerator outside runtime/src/accelerator/" >&2
   exit 1
 fi
+# Each setting is spelled once as a name, in the settings table (settings/src/table.rs).
+bash scripts/check-setting-names.sh
 # The published crates package (metadata, files inside each package, versioned dependencies).
-cargo package -p ivme-macros-core -p ivme-macros -p ivme -p ivme-cli --no-verify --allow-dirty --quiet
+cargo package -p ivme-settings -p ivme-macros-core -p ivme-macros -p ivme -p ivme-cli --no-verify --allow-dirty --quiet

@@ -9,7 +9,6 @@ use clap::builder::TypedValueParser;
 use clap::error::{ContextKind, ContextValue, ErrorKind};
 use clap::{Arg, ArgMatches, Command, CommandFactory, FromArgMatches};
 use ivme::{Error, Result};
-use ivme_macros_core::edit_distance;
 use std::ffi::OsStr;
 
 /// An example value for each flag that takes one and is not a launch setting (the settings'
@@ -203,17 +202,10 @@ pub fn in_clap_words(e: &clap::Error) -> String {
     first.trim_start_matches("error: ").to_string()
 }
 
-/// The candidate nearest to `word` when it is close enough to be a likely typo.
+/// The candidate nearest to `word` when it is close enough to be a likely typo (the settings
+/// table's one suggester, which the attribute uses too).
 pub fn closest<'a>(word: &str, candidates: impl Iterator<Item = &'a str>) -> Option<&'a str> {
-    candidates
-        .map(|c| (edit_distance(word, c), c))
-        // About one edit in three letters still reads as a typo; more is a different word.
-        .filter(|(d, c)| {
-            (*d <= (c.len() / 3).max(1) && *d < word.len())
-                || (c.starts_with(word) && word.len() >= 3)
-        })
-        .min_by_key(|(d, _)| *d)
-        .map(|(_, c)| c)
+    ivme_settings::spelling::closest(word, candidates)
 }
 
 /// A flag's value parser: `check(flag, raw, example)` reads the value or says what to write.

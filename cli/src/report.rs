@@ -4,6 +4,7 @@
 use crate::hosts::Hosts;
 use crate::plan::LaunchPlan;
 use crate::sources::From;
+use ivme_settings as table;
 
 /// What `ivme launch` says on a machine other than machine 0, where it starts nothing.
 pub fn secondary_message(plan: &LaunchPlan) -> String {
@@ -25,11 +26,14 @@ pub fn secondary_message(plan: &LaunchPlan) -> String {
 
 /// The settings block of `--dry_run`: each setting, its value and where it came from.
 pub fn describe_settings(plan: &LaunchPlan) -> String {
+    let is = |key: &str, row: &table::Setting| row.launch == Some(key);
     let value = |key: &str| -> String {
-        match (key, crate::table::row(key)) {
-            ("hostfile" | "hosts", _) => plan.hosts.as_ref().map_or("-".into(), Hosts::spec),
-            (_, Some(row)) => row.shown(&plan.settings),
-            (_, None) => "?".into(),
+        match crate::table::row(key) {
+            _ if is(key, &table::HOSTFILE) || is(key, &table::HOSTS) => {
+                plan.hosts.as_ref().map_or("-".into(), Hosts::spec)
+            }
+            Some(row) => row.shown(&plan.settings),
+            None => "?".into(),
         }
     };
     let width = plan.origins.iter().map(|o| o.key.len()).max().unwrap_or(0);
@@ -39,15 +43,17 @@ pub fn describe_settings(plan: &LaunchPlan) -> String {
         let hostfile_given = plan
             .origins
             .iter()
-            .any(|x| x.key == "hostfile" && x.from != From::Default);
-        if (o.key == "hosts" && hostfile_given) || (o.key == "hostfile" && !hostfile_given) {
+            .any(|x| is(x.key, &table::HOSTFILE) && x.from != From::Default);
+        if (is(o.key, &table::HOSTS) && hostfile_given)
+            || (is(o.key, &table::HOSTFILE) && !hostfile_given)
+        {
             continue;
         }
-        let from = match (o.key, &o.from, &plan.hosts) {
-            ("num_processes", From::Default, Some(h)) => {
+        let from = match (&o.from, &plan.hosts) {
+            (From::Default, Some(h)) if is(o.key, &table::NUM_PROCESSES) => {
                 format!("every slot of {}", h.origin)
             }
-            ("num_machines", From::Default, Some(h)) => {
+            (From::Default, Some(h)) if is(o.key, &table::NUM_MACHINES) => {
                 format!("counted in {}", h.origin)
             }
             _ => o.describe(),

@@ -59,21 +59,23 @@ pub struct Flag {
     pub help: &'static str,
 }
 
-/// A setting's environment variable: read from the launcher's own environment as a layer of
-/// settings (`read`), handed to every rank (`to_ranks`), or both.
+/// How a setting's environment variable (its row's in the settings table) is used: read from
+/// the launcher's own environment as a layer of settings (`read`), handed to every rank
+/// (`to_ranks`), or both.
 pub struct Env<T> {
-    /// The variable, as the library reads it.
-    pub var: Var,
     /// Whether a value already in the launcher's environment counts as the setting.
     pub read: bool,
     /// The variable's value for the ranks, when it is passed to them (`None`: not passed).
     pub to_ranks: fn(&T) -> Option<String>,
 }
 
-/// One setting, declared once.
+/// One setting of `ivme launch`: its names, variable and doc line from the settings table
+/// (`ivme_settings`), and how the command reads, writes and shows it.
 pub struct Row<S: 'static, T: 'static> {
     /// The flag's and the config file's name for it.
     pub key: &'static str,
+    /// Its variable, from the settings table; used as `env` says.
+    pub var: Option<Var>,
     /// What it is, in one line (the config file's comment).
     pub doc: &'static str,
     /// Its name in the table of docs/launch.md (read by the test that keeps the docs equal).
@@ -95,7 +97,7 @@ pub struct Row<S: 'static, T: 'static> {
     pub parse: fn(&str, &str, &str) -> std::result::Result<T, String>,
     /// What a valid value looks like, for errors about the environment and the config file.
     pub want: &'static str,
-    /// The environment variable, when there is one.
+    /// How its variable is used, when it is.
     pub env: Option<Env<T>>,
     /// Whether the config file has this key.
     pub file: bool,
@@ -128,6 +130,9 @@ pub trait Setting<S>: Sync {
     fn in_file(&self) -> bool;
     /// The variable read from the launcher's environment as a layer of settings, if any.
     fn env_layer(&self) -> Option<&'static str>;
+    /// The variable the row uses, read or passed, if any.
+    #[cfg(test)]
+    fn var(&self) -> Option<&'static str>;
     /// The command-line flag, for clap.
     fn arg(&self) -> Option<Arg>;
     /// Reads the flag's value from clap's matches into `s`.
@@ -190,7 +195,16 @@ where
     }
 
     fn env_layer(&self) -> Option<&'static str> {
-        self.env.as_ref().filter(|e| e.read).map(|e| e.var.name)
+        self.env
+            .as_ref()
+            .filter(|e| e.read)
+            .and(self.var)
+            .map(|v| v.name)
+    }
+
+    #[cfg(test)]
+    fn var(&self) -> Option<&'static str> {
+        self.env.as_ref().and(self.var).map(|v| v.name)
     }
 
     fn arg(&self) -> Option<Arg> {
@@ -211,7 +225,7 @@ where
     }
 
     fn read_env(&self, inherited: &[(String, String)], s: &mut S) -> Result<()> {
-        let Some(var) = self.env.as_ref().filter(|e| e.read).map(|e| e.var.name) else {
+        let Some(var) = self.env_layer() else {
             return Ok(());
         };
         let Some((_, raw)) = inherited
@@ -266,9 +280,9 @@ where
     }
 
     fn for_ranks(&self, s: &S) -> Option<(&'static str, String)> {
-        let env = self.env.as_ref()?;
+        let (env, var) = (self.env.as_ref()?, self.var?);
         let text = (env.to_ranks)((self.get)(s).as_ref()?)?;
-        Some((env.var.name, text))
+        Some((var.name, text))
     }
 
     fn shown(&self, s: &S) -> String {
@@ -281,7 +295,7 @@ where
     fn pick(&self, layers: &Layers<S>, out: &mut S) -> Origin {
         let (path, file) = layers.file;
         let file = (self.get)(file).clone();
-        let env = self.env.as_ref().map(|e| e.var.name);
+        let env = self.env.as_ref().and(self.var).map(|v| v.name);
         let overridden = file.as_ref().map(self.show);
         let (value, from, overrode) = match ((self.get)(layers.flags).clone(), env) {
             (Some(v), _) => (Some(v), From::Flag, overridden),
@@ -312,9 +326,10 @@ where
             .flag
             .as_ref()
             .is_some_and(|f| f.value_name == crate::cli::SWITCH);
-        let env = self.env.as_ref().map_or(String::new(), |e| match switch {
-            true => format!("`{}=1`", e.var.name),
-            false => format!("`{}`", e.var.name),
+        let var = self.env.as_ref().and(self.var);
+        let env = var.map_or(String::new(), |v| match switch {
+            true => format!("`{}=1`", v.name),
+            false => format!("`{}`", v.name),
         });
         format!(
             "| {} | {} | {} | {} | {} |",

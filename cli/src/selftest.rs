@@ -428,7 +428,7 @@ fn checks(dir: &Path, shared: Option<&Path>) -> std::result::Result<Option<Strin
     }
     // Every rank writes its part of the state into one folder, which several machines share
     // only if it is on a shared file system: across machines, only in the folder given.
-    let machines: usize = std::env::var("IVME_NUM_MACHINES")
+    let machines: usize = std::env::var(ivme::env::NUM_MACHINES.name)
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(1);

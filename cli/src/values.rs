@@ -3,6 +3,7 @@
 //! example, what to write instead.
 
 use ivme::{BufferSync, Precision, Sharding};
+use ivme_settings::Bound;
 use std::time::Duration;
 
 /// Any text: a file name, an address.
@@ -44,11 +45,13 @@ pub fn steps(flag: &str, raw: &str, ex: &str) -> std::result::Result<u64, String
     })
 }
 
-/// A whole number of at least 1.
+/// A whole number of at least 1 (the settings table's [`Bound::AtLeastOne`]).
 pub fn positive(flag: &str, raw: &str, ex: &str) -> std::result::Result<usize, String> {
+    let bound = Bound::AtLeastOne;
     match raw.trim().parse::<usize>() {
-        Ok(0) => Err(format!(
-            "`{flag} 0` is not allowed: it must be at least 1, e.g. `{flag} {ex}`"
+        Ok(n) if !bound.admits(n as f64) => Err(format!(
+            "`{flag} {n}` is not allowed: use {}, e.g. `{flag} {ex}`",
+            bound.wording()
         )),
         Ok(n) => Ok(n),
         Err(_) => Err(format!(

@@ -1,53 +1,31 @@
 //! The attribute's keys, parsed into typed values that keep their spans and validated in one
-//! pass, so a user sees every mistake in the attribute at once.
+//! pass, so a user sees every mistake in the attribute at once. The keys, their aliases and
+//! examples are the settings table's (`ivme_settings`); each is found by its row's [`Id`].
 
 use crate::errors::Errors;
 use crate::spelling::closest;
+#[cfg(test)]
+use crate::values::PRECISIONS;
 use crate::values::{
     boolean, buffer_mode, flops_per_sample, grad_accum, positive_float, precision, profile_dir,
-    project_dir, seconds, seed, snapshot_every, total_limit, zero_stage, PRECISIONS,
+    project_dir, seconds, seed, snapshot_every, total_limit, zero_stage,
 };
-use proc_macro2::{Literal, Span, TokenStream};
-use quote::{quote, quote_spanned};
+use ivme_settings::{self as table, Id};
+use proc_macro2::{Span, TokenStream};
+use quote::quote;
 use syn::parse::Parser;
 use syn::punctuated::Punctuated;
 use syn::spanned::Spanned;
 use syn::{Meta, Token};
 
-/// Every key the attribute accepts, in the order the builder calls are emitted.
-pub const KEYS: &[&str] = &[
-    "grad_accum",
-    "precision",
-    "clip_grad_norm",
-    "clip_grad_value",
-    "cpu",
-    "seed",
-    "project_dir",
-    "total_limit",
-    "collective_timeout",
-    "debug_sync",
-    "async_checkpoints",
-    "snapshot_every",
-    "zero",
-    "buffers",
-    "profile",
-    "flops_per_sample",
-    "overlap",
-];
+#[path = "calls.rs"]
+mod calls;
 
-/// Names users bring from other training libraries, mapped to ours.
-pub const ALIASES: &[(&str, &str)] = &[
-    ("gradient_accumulation_steps", "grad_accum"),
-    ("mixed_precision", "precision"),
-    ("max_grad_norm", "clip_grad_norm"),
-    ("zero_stage", "zero"),
-    ("sharding", "zero"),
-    ("broadcast_buffers", "buffers"),
-    ("profile_dir", "profile"),
-];
+/// Every key the attribute accepts: the settings table's attribute keys, in its order.
+pub const KEYS: &[&str] = &table::ATTRIBUTE_KEYS;
 
-/// The `ivme::Precision` variant of each of [`PRECISIONS`], in the same order.
-const PRECISION_VARIANTS: &[&str] = &["No", "Fp16", "Bf16"];
+/// Names users bring from other training libraries, mapped to ours: `(alias, key)`.
+pub const ALIASES: &[(&str, &str)] = &table::ATTRIBUTE_ALIASES;
 
 /// One value from the attribute with the spans errors and generated code point at.
 #[derive(Debug, Clone)]
@@ -91,102 +69,11 @@ impl Config {
     pub fn precision_is_f32(&self) -> bool {
         matches!(&self.precision, Some(p) if p.value == "no")
     }
-
-    /// The builder calls between `Accelerator::builder()` and `.build()`, each spanned on the
-    /// user's value so a type error points at the attribute.
-    pub fn builder_calls(&self) -> TokenStream {
-        let mut calls = TokenStream::new();
-        if let Some(s) = &self.grad_accum {
-            let v = spanned_lit(Literal::usize_unsuffixed(s.value), s.span);
-            calls.extend(quote_spanned!(s.span=> .grad_accum(#v)));
-        }
-        if let Some(s) = &self.precision {
-            let at = PRECISIONS.iter().position(|p| *p == s.value).unwrap_or(0);
-            let variant = syn::Ident::new(PRECISION_VARIANTS[at], s.span);
-            calls.extend(quote_spanned!(s.span=> .precision(::ivme::Precision::#variant)));
-        }
-        if let Some(s) = &self.clip_grad_norm {
-            let v = spanned_lit(Literal::f64_unsuffixed(s.value), s.span);
-            calls.extend(quote_spanned!(s.span=> .clip_grad_norm(#v)));
-        }
-        if let Some(s) = &self.clip_grad_value {
-            let v = spanned_lit(Literal::f64_unsuffixed(s.value), s.span);
-            calls.extend(quote_spanned!(s.span=> .clip_grad_value(#v)));
-        }
-        if let Some(s) = &self.cpu {
-            let v = syn::LitBool::new(s.value, s.span);
-            calls.extend(quote_spanned!(s.span=> .cpu(#v)));
-        }
-        if let Some(s) = &self.seed {
-            let v = spanned_lit(Literal::u64_unsuffixed(s.value), s.span);
-            calls.extend(quote_spanned!(s.span=> .seed(#v)));
-        }
-        if let Some(s) = &self.project_dir {
-            let v = syn::LitStr::new(&s.value, s.span);
-            calls.extend(quote_spanned!(s.span=> .project_dir(#v)));
-        }
-        if let Some(s) = &self.total_limit {
-            let v = spanned_lit(Literal::usize_unsuffixed(s.value), s.span);
-            calls.extend(quote_spanned!(s.span=> .total_limit(#v)));
-        }
-        if let Some(s) = &self.collective_timeout {
-            let v = spanned_lit(Literal::f64_unsuffixed(s.value), s.span);
-            calls.extend(quote_spanned!(s.span=>
-                .collective_timeout(::std::time::Duration::from_secs_f64(#v))));
-        }
-        if let Some(s) = &self.debug_sync {
-            let v = syn::LitBool::new(s.value, s.span);
-            calls.extend(quote_spanned!(s.span=> .debug_sync(#v)));
-        }
-        if let Some(s) = &self.overlap {
-            let v = syn::LitBool::new(s.value, s.span);
-            calls.extend(quote_spanned!(s.span=> .overlap(#v)));
-        }
-        if let Some(s) = &self.async_checkpoints {
-            let v = syn::LitBool::new(s.value, s.span);
-            calls.extend(quote_spanned!(s.span=> .async_checkpoints(#v)));
-        }
-        if let Some(s) = &self.snapshot_every {
-            let v = spanned_lit(Literal::u64_unsuffixed(s.value), s.span);
-            calls.extend(quote_spanned!(s.span=> .snapshot_every(#v)));
-        }
-        if let Some(s) = &self.zero {
-            let variant = syn::Ident::new(
-                match s.value {
-                    1 => "Optimizer",
-                    2 => "Gradients",
-                    _ => "No",
-                },
-                s.span,
-            );
-            calls.extend(quote_spanned!(s.span=> .sharding(::ivme::Sharding::#variant)));
-        }
-        if let Some(s) = &self.buffers {
-            let variant = syn::Ident::new(
-                match s.value {
-                    "average" => "Average",
-                    "local" => "Local",
-                    _ => "Broadcast",
-                },
-                s.span,
-            );
-            calls.extend(quote_spanned!(s.span=> .buffers(::ivme::BufferSync::#variant)));
-        }
-        if let Some(s) = &self.profile {
-            let v = syn::LitStr::new(&s.value, s.span);
-            calls.extend(quote_spanned!(s.span=> .profile(#v)));
-        }
-        if let Some(s) = &self.flops_per_sample {
-            let v = spanned_lit(Literal::f64_unsuffixed(s.value), s.span);
-            calls.extend(quote_spanned!(s.span=> .flops_per_sample(#v)));
-        }
-        calls
-    }
 }
 
-fn spanned_lit(mut lit: Literal, span: Span) -> Literal {
-    lit.set_span(span);
-    lit
+/// The attribute key of a row that has one.
+fn key(row: &table::Setting) -> &'static str {
+    row.attribute.unwrap_or(row.name)
 }
 
 /// Parses and validates the attribute's arguments; every problem found is in the error.
@@ -216,10 +103,10 @@ pub(crate) fn parse(attr: TokenStream) -> Result<Config, syn::Error> {
             errors.push(unknown_key(&nv.path, &quote!(#nv.path).to_string()));
             continue;
         };
-        if !KEYS.contains(&key.as_str()) {
+        let Some(row) = table::Setting::by_attribute(&key) else {
             errors.push(unknown_key(&nv.path, &key));
             continue;
-        }
+        };
         if config.keys.iter().any(|k| k.is_ident(&key)) {
             errors.push(syn::Error::new_spanned(
                 &nv.path,
@@ -227,9 +114,9 @@ pub(crate) fn parse(attr: TokenStream) -> Result<Config, syn::Error> {
             ));
             continue;
         }
-        let clip_other = match key.as_str() {
-            "clip_grad_norm" => Some("clip_grad_value"),
-            "clip_grad_value" => Some("clip_grad_norm"),
+        let clip_other = match row.id {
+            Id::ClipGradNorm => Some(self::key(&table::CLIP_GRAD_VALUE)),
+            Id::ClipGradValue => Some(self::key(&table::CLIP_GRAD_NORM)),
             _ => None,
         };
         if let Some(other) = clip_other {
@@ -245,60 +132,77 @@ pub(crate) fn parse(attr: TokenStream) -> Result<Config, syn::Error> {
             }
         }
         config.keys.push(nv.path.clone());
-        let value = &nv.value;
-        let span = value.span();
-        let result = match key.as_str() {
-            "grad_accum" => grad_accum(value).map(|v| config.grad_accum = setting(v, span)),
-            "precision" => precision(value).map(|v| config.precision = setting(v, span)),
-            "clip_grad_norm" => {
-                positive_float(&key, value).map(|v| config.clip_grad_norm = setting(v, span))
-            }
-            "clip_grad_value" => {
-                positive_float(&key, value).map(|v| config.clip_grad_value = setting(v, span))
-            }
-            "cpu" => boolean(&key, value).map(|v| config.cpu = setting(v, span)),
-            "project_dir" => project_dir(value).map(|v| config.project_dir = setting(v, span)),
-            "total_limit" => total_limit(value).map(|v| config.total_limit = setting(v, span)),
-            "collective_timeout" => {
-                seconds(&key, value).map(|v| config.collective_timeout = setting(v, span))
-            }
-            "debug_sync" => boolean(&key, value).map(|v| config.debug_sync = setting(v, span)),
-            "overlap" => boolean(&key, value).map(|v| config.overlap = setting(v, span)),
-            "async_checkpoints" => {
-                boolean(&key, value).map(|v| config.async_checkpoints = setting(v, span))
-            }
-            "snapshot_every" => {
-                snapshot_every(value).map(|v| config.snapshot_every = setting(v, span))
-            }
-            "zero" => zero_stage(value).map(|v| config.zero = setting(v, span)),
-            "buffers" => buffer_mode(value).map(|v| config.buffers = setting(v, span)),
-            "profile" => profile_dir(value).map(|v| config.profile = setting(v, span)),
-            "flops_per_sample" => {
-                flops_per_sample(value).map(|v| config.flops_per_sample = setting(v, span))
-            }
-            _ => seed(value).map(|v| config.seed = setting(v, span)),
-        };
-        if let Err(e) = result {
+        if let Err(e) = take(&mut config, row, &nv.value) {
             errors.push(e);
         }
     }
     if let (Some(limit), None) = (&config.total_limit, &config.project_dir) {
         errors.push(syn::Error::new(
             limit.span,
-            "`total_limit` keeps the newest checkpoints of a project: add `project_dir = \"..\"`",
+            format!(
+                "`{}` keeps the newest checkpoints of a project: add `{} = \"..\"`",
+                key(&table::TOTAL_LIMIT),
+                key(&table::PROJECT_DIR)
+            ),
         ));
     }
     if let (Some(o), Some(z)) = (&config.overlap, &config.zero) {
         if o.value && z.value > 0 {
             errors.push(syn::Error::new(
                 o.span,
-                "`overlap = true` steps a replicated model's optimizer inside `backward`; under \
-                 `zero` the sharded step already runs there: remove one of them",
+                format!(
+                    "`{} = true` steps a replicated model's optimizer inside `backward`; under \
+                     `{}` the sharded step already runs there: remove one of them",
+                    key(&table::OVERLAP),
+                    key(&table::SHARDING)
+                ),
             ));
         }
     }
     errors.finish()?;
     Ok(config)
+}
+
+/// Reads `value` as the row's key wants it into its field of `config`.
+fn take(config: &mut Config, row: &table::Setting, value: &syn::Expr) -> syn::Result<()> {
+    let span = value.span();
+    let key = key(row);
+    match row.id {
+        Id::GradAccum => grad_accum(row, value).map(|v| config.grad_accum = setting(v, span)),
+        Id::Precision => precision(value).map(|v| config.precision = setting(v, span)),
+        Id::ClipGradNorm => {
+            positive_float(row, value).map(|v| config.clip_grad_norm = setting(v, span))
+        }
+        Id::ClipGradValue => {
+            positive_float(row, value).map(|v| config.clip_grad_value = setting(v, span))
+        }
+        Id::Cpu => boolean(key, value).map(|v| config.cpu = setting(v, span)),
+        Id::ProjectDir => project_dir(value).map(|v| config.project_dir = setting(v, span)),
+        Id::TotalLimit => total_limit(row, value).map(|v| config.total_limit = setting(v, span)),
+        Id::CollectiveTimeout => {
+            seconds(key, value).map(|v| config.collective_timeout = setting(v, span))
+        }
+        Id::DebugSync => boolean(key, value).map(|v| config.debug_sync = setting(v, span)),
+        Id::Overlap => boolean(key, value).map(|v| config.overlap = setting(v, span)),
+        Id::AsyncCheckpoints => {
+            boolean(key, value).map(|v| config.async_checkpoints = setting(v, span))
+        }
+        Id::SnapshotEvery => {
+            snapshot_every(value).map(|v| config.snapshot_every = setting(v, span))
+        }
+        Id::Sharding => zero_stage(value).map(|v| config.zero = setting(v, span)),
+        Id::Buffers => buffer_mode(value).map(|v| config.buffers = setting(v, span)),
+        Id::Profile => profile_dir(value).map(|v| config.profile = setting(v, span)),
+        Id::FlopsPerSample => {
+            flops_per_sample(value).map(|v| config.flops_per_sample = setting(v, span))
+        }
+        Id::Seed => seed(value).map(|v| config.seed = setting(v, span)),
+        // Only rows with an attribute key get here; a new one needs its parser above.
+        _ => Err(syn::Error::new_spanned(
+            value,
+            format!("`{key}` is not read by this version of the attribute"),
+        )),
+    }
 }
 
 fn setting<T>(value: T, span: Span) -> Option<Setting<T>> {
@@ -319,27 +223,13 @@ fn unknown_key(path: &syn::Path, key: &str) -> syn::Error {
 
 fn missing_value(path: &syn::Path) -> syn::Error {
     let key = quote!(#path).to_string().replace(' ', "");
-    let example = match key.as_str() {
-        "grad_accum" => "grad_accum = 2",
-        "precision" => "precision = \"bf16\"",
-        "clip_grad_norm" => "clip_grad_norm = 1.0",
-        "clip_grad_value" => "clip_grad_value = 0.5",
-        "cpu" => "cpu = true",
-        "seed" => "seed = 42",
-        "project_dir" => "project_dir = \"runs/demo\"",
-        "total_limit" => "total_limit = 3",
-        "collective_timeout" => "collective_timeout = 600",
-        "debug_sync" => "debug_sync = true",
-        "overlap" => "overlap = true",
-        "async_checkpoints" => "async_checkpoints = true",
-        "snapshot_every" => "snapshot_every = 10",
-        "zero" => "zero = 2",
-        "buffers" => "buffers = \"average\"",
-        "profile" => "profile = \"runs/profile\"",
-        "flops_per_sample" => "flops_per_sample = 6e9",
-        _ => return unknown_key(path, &key),
-    };
-    syn::Error::new_spanned(path, format!("`{key}` needs a value, e.g. `{example}`"))
+    match table::Setting::by_attribute(&key) {
+        Some(row) => syn::Error::new_spanned(
+            path,
+            format!("`{key}` needs a value, e.g. `{key} = {}`", row.example),
+        ),
+        None => unknown_key(path, &key),
+    }
 }
 
 #[cfg(test)]

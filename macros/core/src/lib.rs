@@ -5,7 +5,7 @@
 mod config;
 pub use config::{ALIASES, KEYS};
 mod spelling;
-pub use spelling::edit_distance;
+pub use ivme_settings::spelling::edit_distance;
 pub use values::BUFFER_MODES;
 pub use values::PRECISIONS;
 mod errors;

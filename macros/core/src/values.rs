@@ -2,6 +2,7 @@
 //! spanned on the value that says what to write instead.
 
 use crate::spelling::closest;
+use ivme_settings::Setting;
 use quote::quote;
 use syn::{Expr, Lit, UnOp};
 
@@ -23,9 +24,13 @@ fn literal(value: &Expr) -> Option<(&Lit, bool)> {
     }
 }
 
-pub(crate) fn grad_accum(value: &Expr) -> syn::Result<usize> {
-    let range = "`grad_accum` must be at least 1: it is the number of micro-batches summed \
-                 into each optimizer step";
+/// `grad_accum = N`: micro-batches per optimizer step, within its row's bound.
+pub(crate) fn grad_accum(row: &Setting, value: &Expr) -> syn::Result<usize> {
+    let key = row.attribute.unwrap_or(row.name);
+    let range = format!(
+        "`{key}` must be {}: it is the number of micro-batches summed into each optimizer step",
+        row.bound.wording()
+    );
     match literal(value) {
         Some((Lit::Int(i), negative)) => {
             // syn folds `-3` in an attribute into one literal with a `-` in its digits.
@@ -34,16 +39,16 @@ pub(crate) fn grad_accum(value: &Expr) -> syn::Result<usize> {
                 return Err(syn::Error::new_spanned(value, range));
             }
             let n: usize = i.base10_parse().map_err(|_| {
-                syn::Error::new_spanned(value, "`grad_accum` is too large for a usize")
+                syn::Error::new_spanned(value, format!("`{key}` is too large for a usize"))
             })?;
-            if n == 0 {
+            if !row.bound.admits(n as f64) {
                 return Err(syn::Error::new_spanned(value, range));
             }
             Ok(n)
         }
         _ => Err(syn::Error::new_spanned(
             value,
-            "`grad_accum` takes an integer literal, e.g. `grad_accum = 4`",
+            format!("`{key}` takes an integer literal, e.g. `{key} = 4`"),
         )),
     }
 }
@@ -150,7 +155,9 @@ fn number(value: &Expr) -> Option<Option<f64>> {
     }
 }
 
-pub(crate) fn positive_float(key: &str, value: &Expr) -> syn::Result<f64> {
+/// A number within its row's bound (the clipping thresholds).
+pub(crate) fn positive_float(row: &Setting, value: &Expr) -> syn::Result<f64> {
+    let key = row.attribute.unwrap_or(row.name);
     let Some(parsed) = number(value) else {
         return Err(syn::Error::new_spanned(
             value,
@@ -158,10 +165,13 @@ pub(crate) fn positive_float(key: &str, value: &Expr) -> syn::Result<f64> {
         ));
     };
     match parsed {
-        Some(v) if v.is_finite() && v > 0.0 => Ok(v),
+        Some(v) if row.bound.admits(v) => Ok(v),
         _ => Err(syn::Error::new_spanned(
             value,
-            format!("`{key}` must be a positive, finite number: it is the clipping threshold"),
+            format!(
+                "`{key}` must be {}: it is the clipping threshold",
+                row.bound.wording()
+            ),
         )),
     }
 }
@@ -227,18 +237,27 @@ pub(crate) fn zero_stage(value: &Expr) -> syn::Result<u8> {
     }
 }
 
-pub(crate) fn total_limit(value: &Expr) -> syn::Result<usize> {
+/// `total_limit = N`: how many checkpoints are kept, within its row's bound.
+pub(crate) fn total_limit(row: &Setting, value: &Expr) -> syn::Result<usize> {
+    let key = row.attribute.unwrap_or(row.name);
     match literal(value) {
         Some((Lit::Int(i), false)) => match i.base10_parse::<usize>() {
-            Ok(n) if n >= 1 => Ok(n),
+            Ok(n) if row.bound.admits(n as f64) => Ok(n),
             _ => Err(syn::Error::new_spanned(
                 value,
-                "`total_limit` must be at least 1: it is how many checkpoints are kept",
+                format!(
+                    "`{key}` must be {}: it is how many checkpoints are kept",
+                    row.bound.wording()
+                ),
             )),
         },
         _ => Err(syn::Error::new_spanned(
             value,
-            "`total_limit` takes a whole number >= 1, e.g. `total_limit = 3`",
+            format!(
+                "`{key}` takes {}, e.g. `{key} = {}`",
+                row.bound.wording(),
+                row.example
+            ),
         )),
     }
 }

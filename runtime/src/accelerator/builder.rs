@@ -4,11 +4,12 @@
 use crate::accelerator::Accelerator;
 use crate::comm::{self, CommOptions, Counted};
 use crate::error::{Error, Result};
-use crate::setup::config::{resolve, resolve_with, Precision};
+use crate::setup::config::{check_bound, resolve, resolve_with, Precision};
 use crate::setup::env;
 use crate::setup::state::{select_device, EnvLayout, ProcessState};
 use crate::stateful::Shared;
 use candle_core::{DType, Device, Tensor};
+use ivme_settings::{self as table, Setting};
 use std::time::Duration;
 
 #[path = "comm_options.rs"]
@@ -212,82 +213,51 @@ impl AcceleratorBuilder {
     pub fn build(self) -> Result<Accelerator> {
         let mut warnings = Vec::new();
         let mut take = |w: Option<String>| warnings.extend(w);
-        let (grad_accum, w) = resolve("grad_accum", self.grad_accum, &env::GRAD_ACCUM, 1usize)?;
+        let (grad_accum, w) = resolve(&table::GRAD_ACCUM, self.grad_accum)?;
         take(w);
-        let (precision, w) = resolve("precision", self.precision, &env::PRECISION, Precision::No)?;
+        let (precision, w) = resolve(&table::PRECISION, self.precision)?;
         take(w);
-        let (sharding, w) = resolve(
-            "sharding",
-            self.sharding,
-            &env::SHARDING,
-            crate::setup::config::Sharding::No,
-        )?;
+        let (sharding, w) = resolve(&table::SHARDING, self.sharding)?;
         take(w);
-        let (buffers, w) = resolve(
-            "buffers",
-            self.buffers,
-            &env::BUFFERS,
-            crate::setup::config::BufferSync::Broadcast,
-        )?;
+        let (buffers, w) = resolve(&table::BUFFERS, self.buffers)?;
         take(w);
         if buffers == crate::setup::config::BufferSync::Local
             && sharding != crate::setup::config::Sharding::No
         {
             return Err(Error::config(
-                "buffers",
+                table::BUFFERS.name,
                 "local, with sharding",
                 "use buffers = broadcast or average under sharding: a sharded checkpoint \
                  holds one value of each buffer, and local buffers differ by process",
             ));
         }
-        let (cpu, w) = resolve_with("cpu", self.cpu, &env::CPU, false, |s| {
-            env::parse_bool(s).ok_or_else(|| format!("use {}", env::CPU.values))
-        })?;
+        let (cpu, w) = resolve_with(&table::CPU, self.cpu, switch(&table::CPU))?;
         take(w);
-        let (overlap, w) = resolve_with("overlap", self.overlap, &env::OVERLAP, false, |s| {
-            env::parse_bool(s).ok_or_else(|| format!("use {}", env::OVERLAP.values))
-        })?;
+        let (overlap, w) = resolve_with(&table::OVERLAP, self.overlap, switch(&table::OVERLAP))?;
         take(w);
         if overlap && sharding != crate::setup::config::Sharding::No {
             return Err(Error::config(
-                "overlap",
+                table::OVERLAP.name,
                 format!("true, with sharding = {sharding}"),
                 "leave overlap off under sharding: the sharded step already runs inside \
                  `backward`, over this process's slice",
             ));
         }
-        if grad_accum == 0 {
-            return Err(Error::config(
-                "grad_accum",
-                0,
-                "use 1 (no accumulation) or more",
-            ));
-        }
+        check_bound(&table::GRAD_ACCUM, grad_accum as f64, grad_accum)?;
         if let (Some(_), Some(_)) = (self.clip_grad_norm, self.clip_grad_value) {
             return Err(Error::config(
-                "clip_grad_norm",
-                "set together with clip_grad_value",
+                table::CLIP_GRAD_NORM.name,
+                format!("set together with {}", table::CLIP_GRAD_VALUE.name),
                 "choose one kind of clipping",
             ));
         }
-        for (k, v) in [
-            ("clip_grad_norm", self.clip_grad_norm),
-            ("clip_grad_value", self.clip_grad_value),
+        for (row, v) in [
+            (&table::CLIP_GRAD_NORM, self.clip_grad_norm),
+            (&table::CLIP_GRAD_VALUE, self.clip_grad_value),
+            (&table::INITIAL_LOSS_SCALE, self.initial_loss_scale),
         ] {
             if let Some(v) = v {
-                if !(v > 0.0 && v.is_finite()) {
-                    return Err(Error::config(k, v, "use a positive, finite number"));
-                }
-            }
-        }
-
-        if let Some(s) = self.initial_loss_scale {
-            if !(s > 0.0 && s.is_finite()) {
-                return Err(Error::config(
-                    "initial_loss_scale",
-                    s,
-                    "use a positive, finite scale such as 65536",
-                ));
+                check_bound(row, v, v)?;
             }
         }
 
@@ -312,7 +282,7 @@ impl AcceleratorBuilder {
             }
             (None, Some(n)) => {
                 return Err(Error::config(
-                    "total_limit",
+                    table::TOTAL_LIMIT.name,
                     n,
                     "set project_dir too: the limit applies to a project's checkpoints",
                 ))
@@ -433,6 +403,12 @@ impl AcceleratorBuilder {
             profiling,
         })
     }
+}
+
+/// The parser of an on/off setting's variable (`1`, `true`, `0`, ...), which reads its default too.
+fn switch(row: &Setting) -> impl Fn(&str) -> std::result::Result<bool, String> {
+    let values = row.var.map_or("true or false", |v| v.values);
+    move |s| env::parse_bool(s).ok_or_else(|| format!("use {values}"))
 }
 
 /// Refuses a precision the device cannot run, rather than silently training in f32.

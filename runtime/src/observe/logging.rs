@@ -135,10 +135,13 @@ fn level_filter(
         });
     }
     let level = match ivme_level.filter(|s| !s.trim().is_empty()) {
-        Some(name) => name
-            .trim()
-            .parse::<LevelFilter>()
-            .map_err(|_| Error::config("IVME_LOG_LEVEL", &name, format!("use one of: {LEVELS}")))?,
+        Some(name) => name.trim().parse::<LevelFilter>().map_err(|_| {
+            Error::config(
+                crate::env::LOG_LEVEL.name,
+                &name,
+                format!("use one of: {LEVELS}"),
+            )
+        })?,
         None => default,
     };
     Ok(EnvFilter::default().add_directive(level.into()))

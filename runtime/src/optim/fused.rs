@@ -16,7 +16,7 @@ const CHUNK: usize = 1 << 15;
 /// Whether the fused path is allowed (`IVME_FUSED_OPTIMIZER=0` turns it off, to compare).
 pub(crate) fn enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("IVME_FUSED_OPTIMIZER").map_or(true, |v| v.trim() != "0"))
+    *ON.get_or_init(|| crate::env::FUSED_OPTIMIZER.get().is_none_or(|v| v != "0"))
 }
 
 /// Whether `t` can be updated by the fused path: f32, on the CPU, contiguous.

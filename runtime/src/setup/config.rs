@@ -2,6 +2,7 @@
 
 use crate::error::{Error, Result};
 use candle_core::DType;
+use ivme_settings::{self as table, Setting};
 use std::fmt;
 use std::str::FromStr;
 
@@ -57,7 +58,7 @@ impl FromStr for Precision {
             "fp16" | "f16" => Ok(Precision::Fp16),
             "bf16" => Ok(Precision::Bf16),
             _ => Err(Error::config(
-                "precision",
+                table::PRECISION.name,
                 s,
                 format!("use one of {}", Precision::VALID.join(", ")),
             )),
@@ -109,7 +110,7 @@ impl FromStr for Sharding {
             "optimizer" | "1" | "zero1" => Ok(Sharding::Optimizer),
             "gradients" | "2" | "zero2" => Ok(Sharding::Gradients),
             _ => Err(Error::config(
-                "sharding",
+                table::SHARDING.name,
                 s,
                 format!("use one of {}", Sharding::VALID.join(", ")),
             )),
@@ -162,7 +163,7 @@ impl FromStr for BufferSync {
             "average" | "mean" => Ok(BufferSync::Average),
             "local" => Ok(BufferSync::Local),
             _ => Err(Error::config(
-                "buffers",
+                table::BUFFERS.name,
                 s,
                 format!("use one of {}", BufferSync::VALID.join(", ")),
             )),
@@ -170,41 +171,37 @@ impl FromStr for BufferSync {
     }
 }
 
-/// Resolves one setting by precedence (code > environment > default) and returns a warning
-/// naming both values when code and the environment disagree.
-pub(crate) fn resolve<T>(
-    key: &str,
-    code: Option<T>,
-    var: &crate::setup::env::Var,
-    default: T,
-) -> Result<(T, Option<String>)>
+/// Resolves one setting by precedence (code > its variable > its default, all three as the
+/// settings table's row says) and returns a warning naming both values when code and the
+/// environment disagree.
+pub(crate) fn resolve<T>(setting: &Setting, code: Option<T>) -> Result<(T, Option<String>)>
 where
     T: FromStr + PartialEq + fmt::Debug + Copy,
     T::Err: fmt::Display,
 {
-    resolve_with(key, code, var, default, |s| {
-        s.parse::<T>().map_err(|e| e.to_string())
-    })
+    resolve_with(setting, code, |s| s.parse::<T>().map_err(|e| e.to_string()))
 }
 
-/// [`resolve`] with the variable's own parser.
+/// [`resolve`] with the variable's own parser, which reads the row's default too.
 pub(crate) fn resolve_with<T>(
-    key: &str,
+    setting: &Setting,
     code: Option<T>,
-    var: &crate::setup::env::Var,
-    default: T,
     parse: impl Fn(&str) -> std::result::Result<T, String>,
 ) -> Result<(T, Option<String>)>
 where
     T: PartialEq + fmt::Debug + Copy,
 {
-    let env_var = var.name;
-    let from_env = match var.get() {
-        Some(raw) => Some(parse(&raw).map_err(|e| {
-            Error::config(env_var, &raw, format!("`{key}` from the environment: {e}"))
-        })?),
+    let key = setting.name;
+    let from_env = match setting.var {
+        Some(var) => match var.get() {
+            Some(raw) => Some(parse(&raw).map_err(|e| {
+                Error::config(var.name, &raw, format!("`{key}` from the environment: {e}"))
+            })?),
+            None => None,
+        },
         None => None,
     };
+    let env_var = setting.var_name();
     Ok(match (code, from_env) {
         (Some(c), Some(e)) if c != e => (
             c,
@@ -214,6 +211,79 @@ where
         ),
         (Some(c), _) => (c, None),
         (None, Some(e)) => (e, None),
-        (None, None) => (default, None),
+        (None, None) => (default_of(setting, parse), None),
     })
+}
+
+/// The row's default, read by the setting's own parser (a test reads every row's).
+fn default_of<T>(setting: &Setting, parse: impl Fn(&str) -> std::result::Result<T, String>) -> T {
+    parse(setting.default).unwrap_or_else(|e| {
+        panic!(
+            "the settings table's default of `{}` ({:?}) does not parse: {e}",
+            setting.name, setting.default
+        )
+    })
+}
+
+/// Refuses a value outside the row's bound, in the bound's words; `shown` is the value as the
+/// error shows it.
+pub(crate) fn check_bound(setting: &Setting, value: f64, shown: impl fmt::Display) -> Result<()> {
+    match setting.bound.admits(value) {
+        true => Ok(()),
+        false => Err(Error::config(
+            setting.name,
+            shown,
+            format!("use {}", setting.bound.wording()),
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::setup::env::parse_bool;
+
+    #[test]
+    fn the_tables_defaults_read_as_the_builder_reads_them() {
+        let switch = |s: &str| parse_bool(s).ok_or_else(|| s.to_string());
+        assert_eq!(
+            default_of(&table::GRAD_ACCUM, |s| s
+                .parse::<usize>()
+                .map_err(|e| e.to_string())),
+            1
+        );
+        assert_eq!(
+            default_of(&table::PRECISION, |s| s
+                .parse::<Precision>()
+                .map_err(|e| e.to_string())),
+            Precision::No
+        );
+        assert_eq!(
+            default_of(&table::SHARDING, |s| s
+                .parse::<Sharding>()
+                .map_err(|e| e.to_string())),
+            Sharding::No
+        );
+        assert_eq!(
+            default_of(&table::BUFFERS, |s| s
+                .parse::<BufferSync>()
+                .map_err(|e| e.to_string())),
+            BufferSync::Broadcast
+        );
+        assert!(!default_of(&table::CPU, switch));
+        assert!(!default_of(&table::OVERLAP, switch));
+    }
+
+    #[test]
+    fn a_value_outside_the_bound_is_refused_in_the_bounds_words() {
+        assert!(check_bound(&table::GRAD_ACCUM, 1.0, 1).is_ok());
+        let e = check_bound(&table::GRAD_ACCUM, 0.0, 0)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("grad_accum") && e.contains("at least 1"), "{e}");
+        let e = check_bound(&table::CLIP_GRAD_NORM, f64::NAN, "NaN")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("positive, finite"), "{e}");
+    }
 }
