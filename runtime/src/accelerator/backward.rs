@@ -99,14 +99,14 @@ impl Accelerator {
         max_norm: f64,
         norm_type: f64,
     ) -> Result<Option<f64>> {
-        self.refuse_when_sharded("clip_grad_norm")?;
+        self.refuse_when_sharded(ivme_settings::CLIP_GRAD_NORM.name)?;
         let vars = self.training.trained_master_vars();
         grads.clip_norm(&vars, max_norm, norm_type)
     }
 
     /// Clamps synced gradients to `[-limit, limit]`.
     pub fn clip_grad_value(&self, grads: &mut Gradients, limit: f64) -> Result<()> {
-        self.refuse_when_sharded("clip_grad_value")?;
+        self.refuse_when_sharded(ivme_settings::CLIP_GRAD_VALUE.name)?;
         let vars = self.training.trained_master_vars();
         grads.clip_value(&vars, limit)
     }
@@ -152,12 +152,16 @@ impl Accelerator {
             "`{what}` is not available with sharding = {}: the optimizer step happens inside \
              `backward`, on this process's slice; {}",
             self.sync.sharding(),
-            match what {
-                "clip_grad_norm" | "clip_grad_value" => {
-                    "set clipping on the builder (`.clip_grad_norm(x)`, `.clip_grad_value(x)`) \
-                     or the attribute (`clip_grad_norm = x`) instead"
-                }
-                _ => "train with sharding \"no\" where you need it (docs/sharding.md)",
+            if [
+                ivme_settings::CLIP_GRAD_NORM.name,
+                ivme_settings::CLIP_GRAD_VALUE.name
+            ]
+            .contains(&what)
+            {
+                "set clipping on the builder (`.clip_grad_norm(x)`, `.clip_grad_value(x)`) or \
+                 the attribute (`clip_grad_norm = x`) instead"
+            } else {
+                "train with sharding \"no\" where you need it (docs/sharding.md)"
             }
         )))
     }

@@ -225,7 +225,7 @@ impl Accelerator {
             world_size: self.num_processes(),
             step: self.optimizer_steps(),
             extra: json!({
-                "precision": self.precision().as_str(),
+                (ivme_settings::PRECISION.name): self.precision().as_str(),
                 "layout": layout,
                 // A fine-tune's base, checked on resume (finetune::BaseRecord).
                 "base": self.finetune.base.lock().clone(),

@@ -19,7 +19,7 @@ impl AcceleratorBuilder {
         };
         if timeout.is_zero() {
             return Err(Error::config(
-                "collective_timeout",
+                ivme_settings::COLLECTIVE_TIMEOUT.name,
                 "0 s",
                 "use a positive duration, e.g. 600 seconds",
             ));

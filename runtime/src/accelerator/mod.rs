@@ -80,8 +80,11 @@ impl std::fmt::Debug for Accelerator {
         f.debug_struct("Accelerator")
             .field("state", &self.state)
             .field("comm", &self.comm)
-            .field("precision", &self.mixed.policy())
-            .field("grad_accum", &self.training.window().accum())
+            .field(ivme_settings::PRECISION.name, &self.mixed.policy())
+            .field(
+                ivme_settings::GRAD_ACCUM.name,
+                &self.training.window().accum(),
+            )
             .field("models", &self.training.models().len())
             .field("optimizers", &self.training.optimizers().len())
             .finish()

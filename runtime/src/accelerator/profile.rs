@@ -37,9 +37,9 @@ impl ProfileSettings {
             flops_per_sample: positive(
                 flops_per_sample,
                 &env::FLOPS_PER_SAMPLE,
-                "flops_per_sample",
+                ivme_settings::FLOPS_PER_SAMPLE.name,
             )?,
-            peak_flops: positive(peak_flops, &env::PEAK_FLOPS, "peak_flops")?,
+            peak_flops: positive(peak_flops, &env::PEAK_FLOPS, ivme_settings::PEAK_FLOPS.name)?,
         }))
     }
 }

@@ -10,7 +10,7 @@
 
 use crate::accelerator::Accelerator;
 use crate::checkpoint::direct::DirectFile;
-use crate::checkpoint::format::bad;
+use crate::checkpoint::format::unfit;
 use crate::checkpoint::layout::Layout;
 use crate::checkpoint::layout::Runs;
 use crate::checkpoint::names::Kind;
@@ -97,7 +97,7 @@ impl Accelerator {
                     json.get_or_insert_with(|| c.json.clone());
                 }
             }
-            let json = json.ok_or_else(|| bad(dir, format!("has no `{name}`")))?;
+            let json = json.ok_or_else(|| unfit(dir, format!("has no `{name}`")))?;
             optimizers.push(self.assemble_optimizer(&files(&name), runs, json)?);
         }
         Ok(Assembled { models, optimizers })
@@ -170,7 +170,7 @@ impl Accelerator {
         let mut tensors = Vec::new();
         for key in runs.keys() {
             let Some((name, state)) = key.split_once("::") else {
-                return Err(bad(
+                return Err(unfit(
                     file,
                     format!(
                         "has `{key}`, which is not `variable::key`: was it saved by an ivme \
@@ -186,7 +186,7 @@ impl Accelerator {
                 }
             }
             let Some(found) = found else {
-                return Err(bad(
+                return Err(unfit(
                     file,
                     format!(
                         "has state for `{name}`, which no prepared model has: was it saved by \

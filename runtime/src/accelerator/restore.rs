@@ -16,7 +16,7 @@
 
 use crate::accelerator::Accelerator;
 use crate::checkpoint::checks::check_scaler;
-use crate::checkpoint::format::bad;
+use crate::checkpoint::format::unfit;
 use crate::checkpoint::layout::Layout;
 use crate::checkpoint::names;
 use crate::checkpoint::names::Kind;
@@ -27,13 +27,11 @@ use crate::checkpoint::plan::Checked;
 use crate::checkpoint::plan::Counts;
 use crate::checkpoint::plan::ModelLoad;
 use crate::checkpoint::plan::Plan;
-use crate::checkpoint::plan::Refusal;
 use crate::checkpoint::store;
 use crate::checkpoint::RankState;
 use crate::data::LoopPosition;
 use crate::data::{same_files, DataFile, LoaderPosition};
-use crate::error::CheckpointErrorKind;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::precision::scaler::LossScaler;
 use crate::rng::RngState;
 use crate::stateful::StateDict;
@@ -69,17 +67,12 @@ impl Accelerator {
 
     /// Refuses a fine-tune's checkpoint unless this run opened the same base it was trained
     /// over (the manifest records each base file's size and checksum).
-    fn check_base(
-        &self,
-        dir: &Path,
-        manifest: &store::Manifest,
-    ) -> std::result::Result<(), Refusal> {
+    fn check_base(&self, dir: &Path, manifest: &store::Manifest) -> Result<()> {
         let saved = &manifest.extra["base"];
         if saved.is_null() {
             return Ok(());
         }
-        let unfit =
-            |msg: String| Refusal::Unfit(Error::checkpoint(dir, CheckpointErrorKind::Unfit, msg));
+        let unfit = |msg: String| unfit(dir, msg);
         let saved: crate::finetune::BaseRecord = serde_json::from_value(saved.clone())
             .map_err(|e| unfit(format!("records a base this build cannot read ({e})")))?;
         saved
@@ -124,7 +117,7 @@ impl Accelerator {
             let odd: Vec<&String> = found.symmetric_difference(&want).collect();
             format!("has components {odd:?} for rank {rank} that this run does not save or expects but does not find; was it saved by this program?")
         };
-        Err(bad(dir, msg))
+        Err(unfit(dir, msg))
     }
 
     /// Reads and checks everything this rank would load from `dir`; changes nothing.
@@ -139,42 +132,13 @@ impl Accelerator {
     /// that does not match its manifest, which an older checkpoint may stand in for) from one
     /// that is sound but does not fit this run (an error).
     pub(crate) fn classify_checkpoint(&self, dir: &Path) -> Result<Checked> {
-        // The refusal decides the kind: a check against this run makes a sound checkpoint
-        // unfit, whatever helper worded it.
-        let nothing_loaded = |e: Error, as_kind: CheckpointErrorKind| match e {
-            Error::Checkpoint { path, msg, kind } => Error::Checkpoint {
-                path,
-                msg: format!("{msg} (nothing was loaded)"),
-                kind: if kind == CheckpointErrorKind::Damaged {
-                    as_kind
-                } else {
-                    kind
-                },
-            },
-            // A file the manifest lists that cannot be read makes the checkpoint damaged.
-            Error::Io { context, source } if as_kind == CheckpointErrorKind::Damaged => {
-                Error::checkpoint(
-                    dir,
-                    as_kind,
-                    format!("{context}: {source} (nothing was loaded)"),
-                )
-            }
-            other => other,
-        };
-        match self.plan_checkpoint(dir) {
-            Ok(plan) => Ok(Checked::Ready(Box::new(plan))),
-            Err(Refusal::Damaged(e)) => Ok(Checked::Damaged(nothing_loaded(
-                e,
-                CheckpointErrorKind::Damaged,
-            ))),
-            Err(Refusal::Unfit(e)) => Err(nothing_loaded(e, CheckpointErrorKind::Unfit)),
-        }
+        crate::checkpoint::plan::classify(dir, self.plan_checkpoint(dir))
     }
 
-    fn plan_checkpoint(&self, dir: &Path) -> std::result::Result<Plan, Refusal> {
-        let manifest = store::read_manifest(dir).map_err(Refusal::Damaged)?;
+    fn plan_checkpoint(&self, dir: &Path) -> Result<Plan> {
+        let manifest = store::read_manifest(dir)?;
         self.check_base(dir, &manifest)?;
-        let layout = Layout::of(dir, &manifest).map_err(Refusal::Damaged)?;
+        let layout = Layout::of(dir, &manifest)?;
         let sharded = layout.is_sharded();
         let rank = self.process_index();
         let moved = manifest.world_size != self.num_processes();
@@ -189,13 +153,11 @@ impl Accelerator {
         // passed.
         let (mut mine, mut listed) = store::read_rank_in(dir, &manifest, own, |c| {
             (sources.contains(&own) || !weights(c)) && !later(c)
-        })
-        .map_err(Refusal::Damaged)?;
+        })?;
         self.check_components(dir, own, &mine, sharded)?;
         let mut others = Vec::new();
         for &k in sources.iter().filter(|&&k| k != own) {
-            let (s, l) = store::read_rank_in(dir, &manifest, k, |c| weights(c) && !later(c))
-                .map_err(Refusal::Damaged)?;
+            let (s, l) = store::read_rank_in(dir, &manifest, k, |c| weights(c) && !later(c))?;
             self.check_components(dir, k, &s, sharded)?;
             if k == 0 {
                 listed = l;
@@ -205,9 +167,7 @@ impl Accelerator {
         let mut states: Vec<&mut RankState> = others.iter_mut().collect();
         // This rank's own folder last: an optimizer's scalars come from the first that has it.
         states.push(&mut mine);
-        let direct = self
-            .fit_direct(dir, &manifest, &direct, &listed, &mut states)
-            .map_err(Refusal::Damaged)?;
+        let direct = self.fit_direct(dir, &manifest, &direct, &listed, &mut states)?;
         let Assembled { models, optimizers } = self.assemble(dir, &layout, &mut states, &direct)?;
         let models = models
             .into_iter()
@@ -219,10 +179,10 @@ impl Accelerator {
         let parse = |name: &str, what: &str| -> Result<Value> {
             mine.get(name)
                 .map(|c| c.json.clone())
-                .ok_or_else(|| bad(&file(name), format!("is missing: it should hold {what}")))
+                .ok_or_else(|| unfit(&file(name), format!("is missing: it should hold {what}")))
         };
         let typed = |name: &str, what: &str, err: serde_json::Error| {
-            bad(&file(name), format!("is not {what} ({err})"))
+            unfit(&file(name), format!("is not {what} ({err})"))
         };
         let mut loaders = Vec::new();
         for i in 0..self.data.loaders().len() {
@@ -238,7 +198,7 @@ impl Accelerator {
                     serde_json::from_value(saved.clone()).map_err(|e| typed(&name, what, e))?;
                 same_files(&saved, &self.data.loader_files()[i]).map_err(|msg| {
                     let msg = format!("data loader {i}: {msg}");
-                    Refusal::Unfit(Error::checkpoint(dir, CheckpointErrorKind::Unfit, msg))
+                    unfit(dir, msg)
                 })?;
             }
             loaders.push(if moved { pos.for_new_world()? } else { pos });
@@ -249,9 +209,9 @@ impl Accelerator {
         let rng = (rank < manifest.world_size).then_some(rng);
         let training = mine
             .get(names::TRAINING)
-            .ok_or_else(|| bad(&file(names::TRAINING), "is missing"))?;
+            .ok_or_else(|| unfit(&file(names::TRAINING), "is missing"))?;
         let auto_micro_step = training.json["auto_micro_step"].as_u64().ok_or_else(|| {
-            bad(
+            unfit(
                 &file(names::TRAINING),
                 "has no `auto_micro_step` (a non-negative integer)",
             )
@@ -260,7 +220,7 @@ impl Accelerator {
         let scaler: Option<LossScaler> =
             serde_json::from_value(training.json.get("scaler").cloned().unwrap_or(Value::Null))
                 .map_err(|e| {
-                    bad(
+                    unfit(
                         &file(names::TRAINING),
                         format!("`scaler` is not {what} ({e})"),
                     )
@@ -276,7 +236,7 @@ impl Accelerator {
             None | Some(Value::Null) => None,
             Some(v) => {
                 let p: LoopPosition = serde_json::from_value(v.clone()).map_err(|e| {
-                    bad(
+                    unfit(
                         &file(names::TRAINING),
                         format!("`macro_loop` is not {what} ({e})"),
                     )
@@ -286,7 +246,7 @@ impl Accelerator {
         };
         let sums_file = dir.join(format!("rank{own}/training.safetensors"));
         if moved && !training.tensors.is_empty() {
-            return Err(Refusal::Unfit(bad(
+            return Err(unfit(
                 &sums_file,
                 format!(
                     "holds the partial gradient sums of an accumulation window saved mid-way; \
@@ -295,13 +255,13 @@ impl Accelerator {
                      number, save at the end of a window",
                     manifest.world_size, manifest.world_size, manifest.world_size
                 ),
-            )));
+            ));
         }
         let sums = self.check_sums(&sums_file, &training.tensors)?;
         let mut custom = Vec::new();
         for i in 0..self.checkpoints.registered().len() {
             let name = Kind::Custom.name(i);
-            custom.push(state_of(&mine, &name).ok_or_else(|| bad(&file(&name), "is missing"))?);
+            custom.push(state_of(&mine, &name).ok_or_else(|| unfit(&file(&name), "is missing"))?);
         }
         Ok(Plan {
             moved_from: moved.then_some(manifest.world_size),
@@ -332,7 +292,7 @@ impl Accelerator {
                 models.get(i)?.has_variable(name).then_some((i, name))
             });
             let Some((i, name)) = place else {
-                return Err(bad(
+                return Err(unfit(
                     file,
                     format!(
                         "holds a partial gradient sum `{key}` for no variable of this run's models"
@@ -443,7 +403,7 @@ impl Accelerator {
                 } else {
                     format!("optimizer {i}")
                 };
-                result = Err(bad(
+                result = Err(unfit(
                     dir,
                     format!("was refused by {what}: {e} (nothing was loaded)"),
                 ));

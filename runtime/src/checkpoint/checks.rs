@@ -4,7 +4,7 @@
 
 use std::path::Path;
 
-use super::format::bad;
+use super::format::unfit;
 use crate::error::Result;
 use crate::precision::scaler::LossScaler;
 
@@ -12,8 +12,8 @@ use crate::precision::scaler::LossScaler;
 /// precision (fp16 has a scaler, other precisions none).
 pub(crate) fn check_scaler(file: &Path, s: Option<&LossScaler>, live_has: bool) -> Result<()> {
     match (s, live_has) {
-        (Some(_), false) => return Err(bad(file, "holds an fp16 loss scaler but this run does not use fp16: resume with the precision that saved it")),
-        (None, true) => return Err(bad(file, "holds no loss scaler but this run uses fp16: resume with the precision that saved it")),
+        (Some(_), false) => return Err(unfit(file, "holds an fp16 loss scaler but this run does not use fp16: resume with the precision that saved it")),
+        (None, true) => return Err(unfit(file, "holds no loss scaler but this run uses fp16: resume with the precision that saved it")),
         _ => {}
     }
     if let Some(s) = s {
@@ -25,7 +25,7 @@ pub(crate) fn check_scaler(file: &Path, s: Option<&LossScaler>, live_has: bool) 
             && s.backoff_factor <= 1.0
             && s.growth_interval >= 1;
         if !ok {
-            return Err(bad(file, format!("holds a loss scaler that cannot work ({s:?}): scale and growth_factor must be finite and positive, growth_factor >= 1, 0 < backoff_factor <= 1, growth_interval >= 1")));
+            return Err(unfit(file, format!("holds a loss scaler that cannot work ({s:?}): scale and growth_factor must be finite and positive, growth_factor >= 1, 0 < backoff_factor <= 1, growth_interval >= 1")));
         }
     }
     Ok(())

@@ -44,6 +44,12 @@ pub(crate) fn bad(path: &Path, msg: impl Into<String>) -> Error {
     Error::checkpoint(path, CheckpointErrorKind::Damaged, msg)
 }
 
+/// A sound checkpoint (its files match their manifest) that does not fit this run: `path`,
+/// then what differs and what to do. A load refused this way falls back to nothing.
+pub(crate) fn unfit(path: &Path, msg: impl Into<String>) -> Error {
+    Error::checkpoint(path, CheckpointErrorKind::Unfit, msg)
+}
+
 fn dtype_name(dtype: DType) -> Option<&'static str> {
     Some(match dtype {
         DType::U8 => "U8",

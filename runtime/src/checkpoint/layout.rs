@@ -15,7 +15,7 @@ use candle_core::{DType, Tensor};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use super::format::bad;
+use super::format::{bad, unfit};
 use super::store::Manifest;
 use crate::error::Result;
 use crate::setup::config::Sharding;
@@ -147,7 +147,7 @@ impl Runs {
             let (from, whole) = match range {
                 Some((a, b)) if b - a == flat.elem_count() => (a, None),
                 Some(_) => {
-                    return Err(bad(
+                    return Err(unfit(
                         file,
                         format!(
                             "has `{saved}` with {} elements, not the range's",
@@ -195,7 +195,7 @@ impl Runs {
         whole: &Whole,
     ) -> Result<Tensor> {
         let Some(runs) = self.runs.get_mut(key) else {
-            return Err(bad(
+            return Err(unfit(
                 file,
                 format!("has no `{key}`: was it saved by this model?"),
             ));
@@ -208,7 +208,7 @@ impl Runs {
                     Some(s) => format!("{s:?}"),
                     None => format!("elements {a}..{}", a + t.elem_count()),
                 };
-                return Err(bad(
+                return Err(unfit(
                     file,
                     format!(
                         "has `{key}` as {:?} {saved} but the model's is {:?} {:?}; was it \
@@ -242,7 +242,7 @@ impl Runs {
             at = upto;
         }
         if at < end {
-            return Err(bad(
+            return Err(unfit(
                 file,
                 format!(
                     "holds no value for elements {at}..{end} of `{key}` (a checkpoint of another \

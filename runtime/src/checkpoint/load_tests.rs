@@ -175,6 +175,67 @@ fn resuming_from_a_project_reads_each_file_once_and_skips_a_damaged_newest() {
     let _ = std::fs::remove_dir_all(&root);
 }
 
+/// A registered counter that refuses to be put back to `refused`.
+struct Picky {
+    count: u64,
+    refused: Option<u64>,
+}
+
+impl crate::stateful::Stateful for Picky {
+    fn state_dict(&self) -> crate::Result<crate::stateful::StateDict> {
+        Ok(crate::stateful::StateDict {
+            tensors: Vec::new(),
+            json: serde_json::json!({ "count": self.count }),
+        })
+    }
+    fn load_state_dict(&mut self, state: &crate::stateful::StateDict) -> crate::Result<()> {
+        let count = state.json["count"].as_u64().unwrap();
+        if self.refused == Some(count) {
+            return Err(crate::Error::Usage(format!("count {count} is not allowed")));
+        }
+        self.count = count;
+        Ok(())
+    }
+}
+
+/// A newest checkpoint that is sound but that this run refuses (a registered object will not
+/// take its state) is unfit: an error that says so, nothing loaded, and no fallback to the
+/// older checkpoint, which would silently resume from the wrong step.
+#[test]
+fn a_sound_newest_this_run_refuses_is_unfit_and_nothing_falls_back() {
+    use crate::CheckpointErrorKind as Kind;
+    let root = scratch("load-unfit-newest");
+    let (mut acc, vars, mut opt) = prepared(Some(&root));
+    let picky = acc.register_for_checkpointing(Picky {
+        count: 1,
+        refused: None,
+    });
+    step(&mut acc, &mut opt, &vars);
+    acc.save_state(None).unwrap();
+    picky.lock().count = 2;
+    step(&mut acc, &mut opt, &vars);
+    acc.save_state(None).unwrap();
+    step(&mut acc, &mut opt, &vars);
+    let before = bits(&vars);
+    picky.lock().refused = Some(2);
+    for e in [
+        acc.load_state_if_any().unwrap_err(),
+        acc.load_state(None).unwrap_err(),
+    ] {
+        assert_eq!(e.checkpoint_kind(), Some(Kind::Unfit), "{e}");
+        let msg = e.to_string();
+        assert!(msg.contains("count 2 is not allowed"), "{msg}");
+        assert!(msg.contains("nothing was loaded"), "{msg}");
+        assert_eq!(
+            bits(&vars),
+            before,
+            "nothing of either checkpoint was applied"
+        );
+    }
+    assert_eq!(picky.lock().count, 2);
+    let _ = std::fs::remove_dir_all(&root);
+}
+
 #[test]
 fn load_state_reads_the_weights_into_the_variables_own_buffers_and_other_files_once() {
     let root = scratch("load-once");

@@ -7,7 +7,7 @@ use crate::checkpoint::direct::DirectFile;
 use crate::checkpoint::store::RankState;
 use crate::data::LoaderPosition;
 use crate::data::LoopPosition;
-use crate::error::{Error, Result};
+use crate::error::{CheckpointErrorKind, Error, Result};
 use crate::precision::scaler::LossScaler;
 use crate::rng::RngState;
 use crate::stateful::StateDict;
@@ -52,15 +52,37 @@ pub(crate) enum Checked {
     Damaged(Error),
 }
 
-/// Why a plan could not be made: the checkpoint is damaged, or it does not fit this run.
-pub(crate) enum Refusal {
-    Damaged(Error),
-    Unfit(Error),
-}
-
-impl From<Error> for Refusal {
-    fn from(e: Error) -> Self {
-        Refusal::Unfit(e)
+/// The one place that decides what a refused load is, from the error's own kind: a
+/// checkpoint found damaged or missing (a file that does not match its manifest, or cannot be
+/// read) is [`Checked::Damaged`], which an older checkpoint may stand in for
+/// (`load_state_if_any` moves on to it); anything else (a sound checkpoint that does not fit
+/// this run, or another failure) is an error. Both say nothing was loaded.
+pub(crate) fn classify(dir: &Path, planned: Result<Plan>) -> Result<Checked> {
+    let e = match planned {
+        Ok(plan) => return Ok(Checked::Ready(Box::new(plan))),
+        Err(e) => e,
+    };
+    match e {
+        Error::Checkpoint { path, msg, kind } => {
+            let e = Error::Checkpoint {
+                path,
+                msg: format!("{msg} (nothing was loaded)"),
+                kind,
+            };
+            match kind {
+                CheckpointErrorKind::Damaged | CheckpointErrorKind::Missing => {
+                    Ok(Checked::Damaged(e))
+                }
+                _ => Err(e),
+            }
+        }
+        // A file the manifest lists that cannot be read makes the checkpoint damaged.
+        Error::Io { context, source } => Ok(Checked::Damaged(Error::checkpoint(
+            dir,
+            CheckpointErrorKind::Damaged,
+            format!("{context}: {source} (nothing was loaded)"),
+        ))),
+        other => Err(other),
     }
 }
 

@@ -64,7 +64,7 @@ impl ProjectConfiguration {
     pub fn validate(&self) -> Result<()> {
         if self.total_limit == Some(0) {
             return Err(Error::config(
-                "total_limit",
+                ivme_settings::TOTAL_LIMIT.name,
                 0,
                 "keep at least 1 checkpoint, or set no limit",
             ));
@@ -188,7 +188,7 @@ pub fn find_resumable(checkpoints_dir: &Path) -> Result<Option<PathBuf>> {
 pub fn rotate(checkpoints_dir: &Path, total_limit: usize) -> Result<Vec<PathBuf>> {
     if total_limit == 0 {
         return Err(Error::config(
-            "total_limit",
+            ivme_settings::TOTAL_LIMIT.name,
             0,
             "keep at least 1 checkpoint, or set no limit",
         ));

@@ -104,10 +104,10 @@ impl Gradients {
         if !self.sync {
             return Ok(None);
         }
-        self.refuse_if_stepped("clip_grad_norm")?;
+        self.refuse_if_stepped(ivme_settings::CLIP_GRAD_NORM.name)?;
         if max_norm <= 0.0 || norm_type <= 0.0 || norm_type.is_nan() {
             return Err(Error::config(
-                "clip_grad_norm",
+                ivme_settings::CLIP_GRAD_NORM.name,
                 format!("max_norm {max_norm}, norm_type {norm_type}"),
                 "use a positive max_norm and a norm_type > 0 (2.0, or f64::INFINITY)",
             ));
@@ -135,10 +135,10 @@ impl Gradients {
         if !self.sync {
             return Ok(());
         }
-        self.refuse_if_stepped("clip_grad_value")?;
+        self.refuse_if_stepped(ivme_settings::CLIP_GRAD_VALUE.name)?;
         if limit <= 0.0 || limit.is_nan() {
             return Err(Error::config(
-                "clip_grad_value",
+                ivme_settings::CLIP_GRAD_VALUE.name,
                 limit,
                 "use a positive limit",
             ));

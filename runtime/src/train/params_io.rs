@@ -4,7 +4,7 @@
 //! back. The facade assembles a rank's state from these and never reads the fields.
 
 use crate::checkpoint::direct::{self, DirectFile};
-use crate::checkpoint::format::bad;
+use crate::checkpoint::format::unfit;
 use crate::checkpoint::layout::{run_name, Layout, Runs, Whole};
 use crate::checkpoint::plan::ModelLoad;
 use crate::checkpoint::store::Listing;
@@ -64,7 +64,7 @@ impl ParamSet {
         let mut out = vec![None; self.names.len()];
         for (name, t) in saved {
             let Some(j) = self.names.iter().position(|n| *n == name) else {
-                return Err(bad(
+                return Err(unfit(
                     file,
                     format!(
                         "holds a partial gradient sum `{name}` for no variable of this run's \
@@ -74,7 +74,7 @@ impl ParamSet {
             };
             let master = &self.master[j];
             if t.dims() != master.dims() || t.dtype() != DType::F32 {
-                return Err(bad(
+                return Err(unfit(
                     file,
                     format!(
                         "holds the partial gradient sum `{name}` as {:?} {:?} but the variable \
@@ -179,13 +179,13 @@ impl ParamSet {
                 continue;
             };
             let saved: Vec<usize> = serde_json::from_value(saved.clone()).map_err(|e| {
-                bad(
+                unfit(
                     file,
                     format!("records a shape for `{name}` that cannot be read ({e})"),
                 )
             })?;
             if saved != v.dims() {
-                return Err(bad(
+                return Err(unfit(
                     file,
                     format!(
                         "has `{name}` with shape {saved:?} but the model's is {:?}; was it saved \
@@ -209,7 +209,7 @@ impl ParamSet {
         layout: &Layout,
     ) -> Result<Vec<Tensor>> {
         if let Some(extra) = runs.keys().into_iter().find(|k| !self.has_variable(k)) {
-            return Err(bad(
+            return Err(unfit(
                 file,
                 format!(
                     "has `{extra}`, which model {i} does not have: was it saved by this model?"
@@ -220,7 +220,7 @@ impl ParamSet {
         if let Some(counts) = layout.counts.get(i).filter(|_| layout.is_sharded()) {
             let saved: usize = counts.iter().sum();
             if saved != total {
-                return Err(bad(
+                return Err(unfit(
                     file,
                     format!(
                         "holds a model of {saved} parameters but model {i} has {total}: was it \
