@@ -15,13 +15,12 @@
 //! are applied.
 
 use crate::accelerator::Accelerator;
-use crate::checkpoint::checks::check_scaler;
 use crate::checkpoint::format::unfit;
 use crate::checkpoint::layout::Layout;
 use crate::checkpoint::names;
 use crate::checkpoint::names::Kind;
+use crate::checkpoint::own_state::{read_own, Expected, OwnState};
 use crate::checkpoint::plan::deep_copy;
-use crate::checkpoint::plan::state_of;
 use crate::checkpoint::plan::Assembled;
 use crate::checkpoint::plan::Checked;
 use crate::checkpoint::plan::Counts;
@@ -29,15 +28,10 @@ use crate::checkpoint::plan::ModelLoad;
 use crate::checkpoint::plan::Plan;
 use crate::checkpoint::store;
 use crate::checkpoint::RankState;
-use crate::data::LoopPosition;
-use crate::data::{same_files, DataFile, LoaderPosition};
 use crate::error::Result;
-use crate::precision::scaler::LossScaler;
-use crate::rng::RngState;
 use crate::stateful::StateDict;
 use crate::stateful::Stateful;
 use candle_core::Tensor;
-use serde_json::Value;
 use std::collections::BTreeSet;
 use std::path::Path;
 
@@ -138,131 +132,31 @@ impl Accelerator {
     fn plan_checkpoint(&self, dir: &Path) -> Result<Plan> {
         let manifest = store::read_manifest(dir)?;
         self.check_base(dir, &manifest)?;
-        let layout = Layout::of(dir, &manifest)?;
-        let sharded = layout.is_sharded();
         let rank = self.process_index();
         let moved = manifest.world_size != self.num_processes();
         // The saved rank whose own state (positions, RNG, registered objects) this rank takes.
         let own = if rank < manifest.world_size { rank } else { 0 };
-        let sources = self.source_ranks(&layout);
-        let weights = names::is_weights;
-        // Models whose file may go straight into their variables: only checked here.
-        let direct = self.direct_candidates(&layout);
-        let later = |c: &str| direct.iter().any(|d| d.as_deref() == Some(c));
-        // Every other file is read once, here; the tensors wait in memory until every check
-        // passed.
-        let (mut mine, mut listed) = store::read_rank_in(dir, &manifest, own, |c| {
-            (sources.contains(&own) || !weights(c)) && !later(c)
-        })?;
-        self.check_components(dir, own, &mine, sharded)?;
-        let mut others = Vec::new();
-        for &k in sources.iter().filter(|&&k| k != own) {
-            let (s, l) = store::read_rank_in(dir, &manifest, k, |c| weights(c) && !later(c))?;
-            self.check_components(dir, k, &s, sharded)?;
-            if k == 0 {
-                listed = l;
-            }
-            others.push(s);
-        }
-        let mut states: Vec<&mut RankState> = others.iter_mut().collect();
-        // This rank's own folder last: an optimizer's scalars come from the first that has it.
-        states.push(&mut mine);
-        let direct = self.fit_direct(dir, &manifest, &direct, &listed, &mut states)?;
-        let Assembled { models, optimizers } = self.assemble(dir, &layout, &mut states, &direct)?;
-        let models = models
-            .into_iter()
-            .zip(direct)
-            .map(|(staged, d)| d.map_or(ModelLoad::Staged(staged), ModelLoad::Direct))
-            .collect();
-        drop(others);
-        let file = |name: &str| dir.join(format!("rank{own}/{name}.json"));
-        let parse = |name: &str, what: &str| -> Result<Value> {
-            mine.get(name)
-                .map(|c| c.json.clone())
-                .ok_or_else(|| unfit(&file(name), format!("is missing: it should hold {what}")))
+        let (mine, models, optimizers) = self.read_weights(dir, &manifest, own)?;
+        let expected = Expected {
+            loader_files: self.data.loader_files(),
+            registered: self.checkpoints.registered().len(),
+            scales_loss: self.mixed.scales_loss(),
+            saved_world: manifest.world_size,
+            moved,
         };
-        let typed = |name: &str, what: &str, err: serde_json::Error| {
-            unfit(&file(name), format!("is not {what} ({err})"))
-        };
-        let mut loaders = Vec::new();
-        for i in 0..self.data.loaders().len() {
-            let name = Kind::Loader.name(i);
-            let what = "a data loader position (epoch, seed, consumed)";
-            let json = parse(&name, what)?;
-            let pos: LoaderPosition =
-                serde_json::from_value(json.clone()).map_err(|e| typed(&name, what, e))?;
-            // Checkpoints from before data files were fingerprinted have none to compare.
-            if let Some(saved) = json.get("files") {
-                let what = "a list of data file fingerprints";
-                let saved: Vec<DataFile> =
-                    serde_json::from_value(saved.clone()).map_err(|e| typed(&name, what, e))?;
-                same_files(&saved, &self.data.loader_files()[i]).map_err(|msg| {
-                    let msg = format!("data loader {i}: {msg}");
-                    unfit(dir, msg)
-                })?;
-            }
-            loaders.push(if moved { pos.for_new_world()? } else { pos });
-        }
-        let what = "an RNG state (a 32-byte seed and a word position)";
-        let rng: RngState = serde_json::from_value(parse(names::RNG, what)?)
-            .map_err(|e| typed(names::RNG, what, e))?;
-        let rng = (rank < manifest.world_size).then_some(rng);
-        let training = mine
-            .get(names::TRAINING)
-            .ok_or_else(|| unfit(&file(names::TRAINING), "is missing"))?;
-        let auto_micro_step = training.json["auto_micro_step"].as_u64().ok_or_else(|| {
-            unfit(
-                &file(names::TRAINING),
-                "has no `auto_micro_step` (a non-negative integer)",
-            )
-        })?;
-        let what = "a loss scaler (scale, growth_factor, backoff_factor, growth_interval, good_steps, skipped_steps) or null";
-        let scaler: Option<LossScaler> =
-            serde_json::from_value(training.json.get("scaler").cloned().unwrap_or(Value::Null))
-                .map_err(|e| {
-                    unfit(
-                        &file(names::TRAINING),
-                        format!("`scaler` is not {what} ({e})"),
-                    )
-                })?;
-        check_scaler(
-            &file(names::TRAINING),
-            scaler.as_ref(),
-            self.mixed.scales_loss(),
-        )?;
-        // Absent from checkpoints written before the attribute's loops were resumable.
-        let what = "a loop position (pass, next)";
-        let macro_loop: Option<LoopPosition> = match training.json.get("macro_loop") {
-            None | Some(Value::Null) => None,
-            Some(v) => {
-                let p: LoopPosition = serde_json::from_value(v.clone()).map_err(|e| {
-                    unfit(
-                        &file(names::TRAINING),
-                        format!("`macro_loop` is not {what} ({e})"),
-                    )
-                })?;
-                Some(if moved { p.for_new_world()? } else { p })
-            }
-        };
+        let own_state = read_own(dir, own, &mine, &expected)?;
         let sums_file = dir.join(format!("rank{own}/training.safetensors"));
-        if moved && !training.tensors.is_empty() {
-            return Err(unfit(
-                &sums_file,
-                format!(
-                    "holds the partial gradient sums of an accumulation window saved mid-way; \
-                     they belong to the {} processes that saved them, so this checkpoint resumes \
-                     only on {} processes (`ivme launch --num_processes {}`); to move to another \
-                     number, save at the end of a window",
-                    manifest.world_size, manifest.world_size, manifest.world_size
-                ),
-            ));
-        }
-        let sums = self.check_sums(&sums_file, &training.tensors)?;
-        let mut custom = Vec::new();
-        for i in 0..self.checkpoints.registered().len() {
-            let name = Kind::Custom.name(i);
-            custom.push(state_of(&mine, &name).ok_or_else(|| unfit(&file(&name), "is missing"))?);
-        }
+        let sums = self.check_sums(&sums_file, &own_state.sums)?;
+        let OwnState {
+            loaders,
+            rng,
+            auto_micro_step,
+            macro_loop,
+            scaler,
+            custom,
+            ..
+        } = own_state;
+        let rng = (rank < manifest.world_size).then_some(rng);
         Ok(Plan {
             moved_from: moved.then_some(manifest.world_size),
             dir: dir.to_path_buf(),
@@ -276,6 +170,51 @@ impl Accelerator {
             sums,
             custom,
         })
+    }
+
+    /// Reads saved rank `own`'s folder and, from the saved ranks that hold this process's part,
+    /// the model and optimizer state (each file once, checked against the manifest as it
+    /// arrives), checks every rank's components, and puts the weights in this run's layout.
+    fn read_weights(
+        &self,
+        dir: &Path,
+        manifest: &store::Manifest,
+        own: usize,
+    ) -> Result<(RankState, Vec<ModelLoad>, Vec<StateDict>)> {
+        let layout = Layout::of(dir, &manifest)?;
+        let sharded = layout.is_sharded();
+        let sources = self.source_ranks(&layout);
+        let weights = names::is_weights;
+        // Models whose file may go straight into their variables: only checked here.
+        let direct = self.direct_candidates(&layout);
+        let later = |c: &str| direct.iter().any(|d| d.as_deref() == Some(c));
+        // Every other file is read once, here; the tensors wait in memory until every check
+        // passed.
+        let (mut mine, mut listed) = store::read_rank_in(dir, manifest, own, |c| {
+            (sources.contains(&own) || !weights(c)) && !later(c)
+        })?;
+        self.check_components(dir, own, &mine, sharded)?;
+        let mut others = Vec::new();
+        for &k in sources.iter().filter(|&&k| k != own) {
+            let (s, l) = store::read_rank_in(dir, manifest, k, |c| weights(c) && !later(c))?;
+            self.check_components(dir, k, &s, sharded)?;
+            if k == 0 {
+                listed = l;
+            }
+            others.push(s);
+        }
+        let mut states: Vec<&mut RankState> = others.iter_mut().collect();
+        // This rank's own folder last: an optimizer's scalars come from the first that has it.
+        states.push(&mut mine);
+        let direct = self.fit_direct(dir, manifest, &direct, &listed, &mut states)?;
+        let Assembled { models, optimizers } = self.assemble(dir, &layout, &mut states, &direct)?;
+        let models = models
+            .into_iter()
+            .zip(direct)
+            .map(|(staged, d)| d.map_or(ModelLoad::Staged(staged), ModelLoad::Direct))
+            .collect();
+        drop(others);
+        Ok((mine, models, optimizers))
     }
 
     /// Places each saved partial sum (`{model}::{variable}`) after checking it fits.

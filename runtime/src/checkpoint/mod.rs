@@ -39,6 +39,7 @@ mod manifest;
 mod merge;
 pub mod model;
 pub(crate) mod names;
+pub(crate) mod own_state;
 mod parts;
 pub(crate) mod plan;
 pub mod project;
