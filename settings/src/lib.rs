@@ -52,6 +52,17 @@ impl Bound {
         }
     }
 
+    /// The bound alone, as in "must be at least 1": the limit without the kind of number;
+    /// empty for [`Bound::Any`].
+    pub const fn limit(self) -> &'static str {
+        match self {
+            Bound::Any => "",
+            Bound::AtLeastOne => "at least 1",
+            Bound::AtLeastZero => "at least 0",
+            Bound::PositiveFinite => "a positive, finite number",
+        }
+    }
+
     /// The values the bound admits, in the words every error uses ("a whole number of at
     /// least 1"); empty for [`Bound::Any`].
     pub const fn wording(self) -> &'static str {

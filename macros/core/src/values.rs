@@ -29,7 +29,7 @@ pub(crate) fn grad_accum(row: &Setting, value: &Expr) -> syn::Result<usize> {
     let key = row.attribute.unwrap_or(row.name);
     let range = format!(
         "`{key}` must be {}: it is the number of micro-batches summed into each optimizer step",
-        row.bound.wording()
+        row.bound.limit()
     );
     match literal(value) {
         Some((Lit::Int(i), negative)) => {
@@ -170,7 +170,7 @@ pub(crate) fn positive_float(row: &Setting, value: &Expr) -> syn::Result<f64> {
             value,
             format!(
                 "`{key}` must be {}: it is the clipping threshold",
-                row.bound.wording()
+                row.bound.limit()
             ),
         )),
     }
@@ -247,7 +247,7 @@ pub(crate) fn total_limit(row: &Setting, value: &Expr) -> syn::Result<usize> {
                 value,
                 format!(
                     "`{key}` must be {}: it is how many checkpoints are kept",
-                    row.bound.wording()
+                    row.bound.limit()
                 ),
             )),
         },

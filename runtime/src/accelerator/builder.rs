@@ -369,7 +369,8 @@ impl AcceleratorBuilder {
         crate::setup::allocator::tune(tuning);
         // After the communicator opened, so that no MPI set-up replaces the handlers.
         crate::setup::preempt::install(&preempt);
-        let seed = self.seed.unwrap_or(0);
+        let (seed, _) = resolve(&table::SEED, self.seed)?;
+        let (bucket_mb, _) = resolve(&table::BUCKET_SIZE_MB, self.bucket_mb)?;
         let snapshots = super::snapshots::snapshots_of(snapshot_every, &state);
         let profiling = profile.map(|p| super::profile::Profiling::start(p, &state));
         let mut comm = Counted::new(comm);
@@ -385,7 +386,7 @@ impl AcceleratorBuilder {
             comm,
             sync: crate::train::sync::SyncSettings::new(
                 sharding,
-                self.bucket_mb.unwrap_or(25).max(1) << 20,
+                bucket_mb.max(1) << 20,
                 self.clip_grad_norm,
                 self.clip_grad_value,
             )

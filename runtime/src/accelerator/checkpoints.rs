@@ -92,49 +92,27 @@ impl Accelerator {
         )
     }
 
+    /// This rank's saved state, each part's from its own state methods: the models'
+    /// weights and the optimizers' state (rank 0's, or every rank's slice under sharding),
+    /// the loaders' positions, the generator, the window and the registered objects.
     pub(crate) fn rank_state(&self) -> Result<RankState> {
+        let named = |kind: Kind, states: Vec<StateDict>| {
+            let states = states.into_iter().enumerate();
+            states.map(move |(i, s)| component(kind.name(i), s))
+        };
         let mut components = Vec::new();
         // Without sharding the masters and optimizer state are the same everywhere and rank 0
         // writes them; under sharding every rank writes its slice (nothing is gathered).
         if self.is_main_process() || self.sync.sharding() != Sharding::No {
-            for (i, m) in self.training.models().iter().enumerate() {
-                let (tensors, json) = m.state_dict()?;
-                components.push(Component {
-                    name: Kind::Model.name(i),
-                    tensors,
-                    json,
-                });
-            }
-            for (i, o) in self.training.optimizers().iter().enumerate() {
-                components.push(component(Kind::Optimizer.name(i), o.state_dict()?));
-            }
+            components.extend(named(Kind::Model, self.training.model_states()?));
+            components.extend(named(Kind::Optimizer, self.training.optimizer_states()?));
         }
-        let loaders = self.data.loaders().iter().zip(self.data.loader_files());
-        for (i, (l, files)) in loaders.enumerate() {
-            let mut json = serde_json::to_value(*l.lock())?;
-            // Beside the position, the files it counts in: a resume checks they are the same.
-            json["files"] = serde_json::to_value(files)?;
-            components.push(Component {
-                name: Kind::Loader.name(i),
-                tensors: vec![],
-                json,
-            });
-        }
-        components.push(Component {
-            name: names::RNG.into(),
-            tensors: vec![],
-            json: serde_json::to_value(self.data.rng().lock().state())?,
-        });
-        // Partial sums of a window saved mid-way are this rank's own.
-        let mut sums = Vec::new();
-        for (i, m) in self.training.models().iter().enumerate() {
-            for (name, s) in m.window_sums() {
-                sums.push((format!("{i}::{name}"), s.clone()));
-            }
-        }
+        components.extend(named(Kind::Loader, self.data.loader_states()?));
+        components.push(component(names::RNG.into(), self.data.rng_state()?));
         components.push(Component {
             name: names::TRAINING.into(),
-            tensors: sums,
+            // Partial sums of a window saved mid-way are this rank's own.
+            tensors: self.training.window_sums(),
             json: json!({
                 "auto_micro_step": self.training.window().auto_index(),
                 "macro_loop": self.data.loop_cursor().lock().position(),
@@ -142,9 +120,7 @@ impl Accelerator {
                 "checkpoints_saved": self.checkpoints.project().map(|p| p.iteration),
             }),
         });
-        for (i, r) in self.checkpoints.registered().iter().enumerate() {
-            components.push(component(Kind::Custom.name(i), r.state_dict()?));
-        }
+        components.extend(named(Kind::Custom, self.checkpoints.registered_states()?));
         Ok(RankState { components })
     }
 
@@ -355,47 +331,50 @@ impl Accelerator {
     fn load_state_inner(&mut self, dir: Option<&Path>) -> Result<PathBuf> {
         // A save still being written must land first: it may be the one asked for.
         self.wait_for_checkpoint()?;
-        let dir = match (dir, self.checkpoints.project().cloned()) {
-            (Some(d), _) => {
-                let chosen = if self.is_main_process() {
-                    // Each rank checks every file it reads against the manifest while loading.
-                    store::read_manifest(d).map(|_| Some(d.to_path_buf()))
-                } else {
-                    Ok(None)
-                };
-                let chosen = self.agree("finding the checkpoint", chosen)?;
-                let dir = self
-                    .broadcast_path(chosen)?
-                    .ok_or_else(|| Error::Usage("no checkpoint chosen".into()))?;
-                self.load_checked(&dir)?;
-                dir
-            }
-            (None, Some(p)) => match self.load_newest(&[p.checkpoints_dir()])? {
-                Newest::Loaded(dir) => dir,
-                Newest::Empty => {
-                    return Err(Error::checkpoint(
-                        p.checkpoints_dir(),
-                        CheckpointErrorKind::Missing,
-                        "holds no complete checkpoint to resume from",
-                    ))
-                }
-                Newest::NoneSound(n, newest) => {
-                    return Err(Error::checkpoint(
-                        p.checkpoints_dir(),
-                        CheckpointErrorKind::Damaged,
-                        format!(
-                            "holds no complete checkpoint to resume from ({n} checkpoint(s), \
-                             none verifies; newest: {newest})"
-                        ),
-                    ))
-                }
-            },
-            (None, None) => return Err(Error::Usage(
+        match (dir, self.checkpoints.project().cloned()) {
+            (Some(d), _) => self.load_folder(d),
+            (None, Some(p)) => self.load_project_newest(&p.checkpoints_dir()),
+            (None, None) => Err(Error::Usage(
                 "load_state(None) needs a ProjectConfiguration to find checkpoints; pass a folder"
                     .into(),
             )),
+        }
+    }
+
+    /// Loads the checkpoint folder `d` the main process found a manifest in, on every rank.
+    fn load_folder(&mut self, d: &Path) -> Result<PathBuf> {
+        let chosen = if self.is_main_process() {
+            // Each rank checks every file it reads against the manifest while loading.
+            store::read_manifest(d).map(|_| Some(d.to_path_buf()))
+        } else {
+            Ok(None)
         };
+        let chosen = self.agree("finding the checkpoint", chosen)?;
+        let dir = self
+            .broadcast_path(chosen)?
+            .ok_or_else(|| Error::Usage("no checkpoint chosen".into()))?;
+        self.load_checked(&dir)?;
         Ok(dir)
+    }
+
+    /// Loads the newest sound checkpoint of the project's `checkpoints` folder.
+    fn load_project_newest(&mut self, checkpoints: &Path) -> Result<PathBuf> {
+        match self.load_newest(&[checkpoints.to_path_buf()])? {
+            Newest::Loaded(dir) => Ok(dir),
+            Newest::Empty => Err(Error::checkpoint(
+                checkpoints,
+                CheckpointErrorKind::Missing,
+                "holds no complete checkpoint to resume from",
+            )),
+            Newest::NoneSound(n, newest) => Err(Error::checkpoint(
+                checkpoints,
+                CheckpointErrorKind::Damaged,
+                format!(
+                    "holds no complete checkpoint to resume from ({n} checkpoint(s), none \
+                     verifies; newest: {newest})"
+                ),
+            )),
+        }
     }
 
     /// Checks `dir` on every rank, and applies it only if every rank's check passed.

@@ -77,29 +77,7 @@ impl Accelerator {
     fn gather_dropping(&self, what: &str, t: &Tensor, drop: usize) -> Result<Tensor> {
         let t = at_least_1d(t)?;
         let headers = self.exchange_headers(&t, drop)?;
-        let first = &headers[0];
-        for (r, h) in headers.iter().enumerate() {
-            if h.dims.len() != first.dims.len()
-                || h.dims[1..] != first.dims[1..]
-                || h.dtype != first.dtype
-            {
-                return Err(Error::Comm(format!(
-                    "{what}: rank 0 has shape {} but rank {r} has shape {}; the ranks may differ \
-                     only in the first dimension: give every rank the same trailing dimensions \
-                     and dtype",
-                    first.describe(),
-                    h.describe()
-                )));
-            }
-            if h.drop > h.dims[0] {
-                return Err(Error::Usage(format!(
-                    "{what}: rank {r}'s loader padded its last batch with {} samples but the \
-                     tensor has only {} rows; pass the outputs of the batch the loader yielded \
-                     last, one row per sample",
-                    h.drop, h.dims[0]
-                )));
-            }
-        }
+        check_headers(what, &headers)?;
         let max_rows = headers.iter().map(|h| h.dims[0]).max().unwrap_or(0);
         let rows = t.dims()[0];
         let mut tail = t.dims().to_vec();
@@ -250,4 +228,33 @@ impl Accelerator {
         }
         Ok(())
     }
+}
+
+/// Refuses a gather whose ranks' tensors differ in more than the first dimension, or whose
+/// padded rows to drop exceed a rank's rows; `what` names the call.
+fn check_headers(what: &str, headers: &[Header]) -> Result<()> {
+    let first = &headers[0];
+    for (r, h) in headers.iter().enumerate() {
+        if h.dims.len() != first.dims.len()
+            || h.dims[1..] != first.dims[1..]
+            || h.dtype != first.dtype
+        {
+            return Err(Error::Comm(format!(
+                "{what}: rank 0 has shape {} but rank {r} has shape {}; the ranks may differ \
+                 only in the first dimension: give every rank the same trailing dimensions \
+                 and dtype",
+                first.describe(),
+                h.describe()
+            )));
+        }
+        if h.drop > h.dims[0] {
+            return Err(Error::Usage(format!(
+                "{what}: rank {r}'s loader padded its last batch with {} samples but the \
+                 tensor has only {} rows; pass the outputs of the batch the loader yielded \
+                 last, one row per sample",
+                h.drop, h.dims[0]
+            )));
+        }
+    }
+    Ok(())
 }

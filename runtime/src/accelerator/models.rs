@@ -10,8 +10,8 @@ use crate::optim::AcceleratedOptimizer;
 use crate::optim::StatefulOptimizer;
 use crate::precision::exact_init::SeededInit;
 use crate::stateful::Shared;
-use crate::train::params::ParamSet;
-use crate::Precision;
+use crate::train::params::{NewVariable, ParamSet};
+use crate::train::shard::{Plan, Sharded};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, TensorId, Var};
 use candle_nn::{VarBuilder, VarMap};
@@ -47,113 +47,70 @@ impl Accelerator {
         }
         // A LoRA target or unfreeze pattern that matched nothing would train nothing.
         self.finetune.check_targets()?;
-        let mut named: Vec<(String, Var)> = varmap
-            .data()
-            .lock()
-            .map_err(|_| {
-                Error::Prepare("the VarMap's lock is poisoned by an earlier panic".into())
-            })?
-            .iter()
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect();
-        if named.is_empty() {
-            return Err(Error::Prepare(
-                "the VarMap has no variables yet: build the model from it before preparing".into(),
-            ));
-        }
-        named.sort_by(|a, b| a.0.cmp(&b.0));
-        let low = self.mixed.policy().compute_dtype();
-        let mut names = Vec::with_capacity(named.len());
-        let mut compute = Vec::with_capacity(named.len());
-        let mut master = Vec::with_capacity(named.len());
-        let mut buffer = Vec::with_capacity(named.len());
-        let mut full = Vec::new();
-        let mut unsent = Vec::new();
-        for (name, var) in named {
-            let dt = var.dtype();
+        let sharded = self.sync.sharding() != crate::Sharding::No;
+        let (mut vars, mut full, mut unsent) = (Vec::new(), Vec::new(), Vec::new());
+        for (name, var) in named_vars(varmap)? {
+            let id = var.as_tensor().id();
             let statistic = crate::precision::is_batch_norm_statistic(&name);
-            let is_buffer = statistic || self.training.is_pending_buffer(var.as_tensor().id());
-            if statistic && self.mixed.policy() != Precision::No && dt != DType::F32 {
-                return Err(Error::Precision(format!(
-                    "`{name}` (a BatchNorm running statistic) is {dt:?}: candle 0.11's BatchNorm \
-                     updates its statistics with f32 batch statistics, so its first training \
-                     step would fail with a dtype mismatch; build the model with \
-                     `accelerator.var_builder(&varmap, DType::F32)`, which keeps BatchNorm's \
-                     statistics in f32 under {} (or `#[accelerate]`, which writes that call)",
-                    self.mixed.policy()
-                )));
-            }
-            if self.mixed.policy() != Precision::No && dt == DType::F32 && !is_buffer {
-                return Err(Error::Precision(format!(
-                    "precision is {} but variable `{name}` is f32, so the model would silently \
-                     train in f32; create it with `accelerator.var_builder(&varmap, \
-                     DType::F32)` (exact f32 masters) or `VarBuilder::from_varmap(&varmap, \
-                     accelerator.param_dtype(DType::F32), accelerator.device())`",
-                    self.mixed.policy()
-                )));
-            }
-            let frozen = held.is_some_and(|h| !h.contains(&var.as_tensor().id()))
-                && !is_buffer
-                && self.sync.sharding() == crate::Sharding::No;
-            if frozen {
-                // Nothing steps it: no broadcast (checked equal below), no master.
-                self.mixed
-                    .exact_masters()
-                    .lock()
-                    .remove(&var.as_tensor().id());
+            let buffer = statistic || self.training.is_pending_buffer(id);
+            self.mixed
+                .check_variable(&name, var.dtype(), statistic, buffer)?;
+            if held.is_some_and(|h| !h.contains(&id)) && !buffer && !sharded {
+                // Frozen, nothing steps it: no broadcast (checked equal below), no master.
+                self.mixed.exact_masters().lock().remove(&id);
                 unsent.push((name.clone(), var.clone()));
-                names.push(name);
-                compute.push(var.clone());
-                master.push(var);
-                buffer.push(false);
+                vars.push(NewVariable::frozen(name, var));
                 continue;
             }
-            // Broadcast in f32: exact for f16/bf16 values, and MPI has no half types. A variable
-            // `var_builder` made starts its master from its exact f32 initialisation.
-            let value = match self.take_exact_master(&var)? {
-                Some(exact) => exact,
-                None => var.as_tensor().to_dtype(DType::F32)?,
-            };
-            let value = self.comm.broadcast(&value, 0)?;
-            let m = if self.sync.sharding() != crate::Sharding::No {
-                // The masters are this rank's pieces (below); the model's weights stand in.
-                if self.state.world_size > 1 {
-                    var.set(&value.to_dtype(dt)?)?;
-                }
-                full.push(value);
-                var.clone()
-            } else if dt == low && dt != DType::F32 {
-                let m = Var::from_tensor(&value)?;
-                var.set(&value.to_dtype(dt)?)?;
-                m
-            } else {
-                if self.state.world_size > 1 {
-                    var.set(&value.to_dtype(dt)?)?;
-                }
-                var.clone()
-            };
-            names.push(name);
-            compute.push(var);
-            master.push(m);
-            buffer.push(is_buffer);
+            let (master, value) = self.start_from_rank0(&var)?;
+            full.extend(value);
+            vars.push(NewVariable {
+                name,
+                compute: var,
+                master,
+                buffer,
+            });
         }
         crate::train::frozen::check_equal(&self.comm, &unsent)?;
-        let shard = if self.sync.sharding() == crate::Sharding::No {
-            None
-        } else {
-            let sizes: Vec<usize> = compute.iter().map(|v| v.elem_count()).collect();
-            let plan =
-                crate::train::shard::Plan::new(&sizes, self.state.world_size, self.state.rank);
-            Some(crate::train::shard::Sharded::new(
-                self.sync.sharding(),
-                plan,
-                &full,
-                &compute,
-            )?)
-        };
-        self.training
-            .add_model(ParamSet::new(names, compute, master, buffer, shard));
+        let shard = self.slice_of(&vars, &full)?;
+        self.training.add_model(ParamSet::new(vars, shard));
         Ok(())
+    }
+
+    /// Makes `var` start from rank 0's value on every rank, broadcast in f32 (exact for
+    /// f16/bf16 values, and MPI has no half types; a variable `var_builder` made starts from
+    /// its exact f32 initialisation). Returns its f32 master and, under sharding (where the
+    /// variable stands in until the slice is cut), the broadcast value the slice comes from.
+    fn start_from_rank0(&self, var: &Var) -> Result<(Var, Option<Tensor>)> {
+        let dt = var.dtype();
+        let value = match self.take_exact_master(var)? {
+            Some(exact) => exact,
+            None => var.as_tensor().to_dtype(DType::F32)?,
+        };
+        let value = self.comm.broadcast(&value, 0)?;
+        let sharded = self.sync.sharding() != crate::Sharding::No;
+        let low = self.mixed.policy().compute_dtype();
+        if !sharded && dt == low && dt != DType::F32 {
+            let master = Var::from_tensor(&value)?;
+            var.set(&value.to_dtype(dt)?)?;
+            return Ok((master, None));
+        }
+        if self.state.world_size > 1 {
+            var.set(&value.to_dtype(dt)?)?;
+        }
+        Ok((var.clone(), sharded.then_some(value)))
+    }
+
+    /// Under sharding, this process's slice of a model of `vars` whose f32 values are `full`.
+    fn slice_of(&self, vars: &[NewVariable], full: &[Tensor]) -> Result<Option<Sharded>> {
+        let stage = self.sync.sharding();
+        if stage == crate::Sharding::No {
+            return Ok(None);
+        }
+        let compute: Vec<Var> = vars.iter().map(|v| v.compute.clone()).collect();
+        let sizes: Vec<usize> = compute.iter().map(|v| v.elem_count()).collect();
+        let plan = Plan::new(&sizes, self.state.world_size, self.state.rank);
+        Ok(Some(Sharded::new(stage, plan, full, &compute)?))
     }
 
     /// Points a user optimizer at the masters of a prepared model and wraps it.
@@ -168,26 +125,7 @@ impl Accelerator {
             true => Some(self.overlap_model(&opt)?),
             false => None,
         };
-        let mut masters = Vec::with_capacity(opt.vars().len());
-        let mut copies = Vec::new();
-        for v in opt.vars() {
-            let id = v.as_tensor().id();
-            let found = self
-                .training
-                .models_mut()
-                .iter_mut()
-                .find_map(|m| m.position_of(id).map(|i| (m, i)));
-            let Some((m, i)) = found else {
-                return Err(Error::Prepare(
-                    "the optimizer updates a variable of no prepared model; prepare the VarMap \
-                     before (or together with, earlier in the tuple) its optimizer"
-                        .into(),
-                ));
-            };
-            let (master, copy) = m.adopt(i, self.mixed.policy().compute_dtype())?;
-            masters.push(master);
-            copies.extend(copy);
-        }
+        let (masters, copies) = self.adopt_all(opt.vars())?;
         if !copies.is_empty() {
             opt.replace_vars(masters)?;
         }
@@ -211,8 +149,34 @@ impl Accelerator {
             .with_clock(self.training.window().clock().clone()))
     }
 
+    /// Marks each of `vars` (variables of prepared models) as stepped by the optimizer being
+    /// prepared: their f32 masters, and the (low-precision copy, master) pairs to refresh.
+    fn adopt_all(&mut self, vars: &[Var]) -> Result<(Vec<Var>, Vec<Refresh>)> {
+        let low = self.mixed.policy().compute_dtype();
+        let (mut masters, mut copies) = (Vec::with_capacity(vars.len()), Vec::new());
+        for v in vars {
+            let id = v.as_tensor().id();
+            let found = self
+                .training
+                .models_mut()
+                .iter_mut()
+                .find_map(|m| m.position_of(id).map(|i| (m, i)));
+            let Some((m, i)) = found else {
+                return Err(Error::Prepare(
+                    "the optimizer updates a variable of no prepared model; prepare the VarMap \
+                     before (or together with, earlier in the tuple) its optimizer"
+                        .into(),
+                ));
+            };
+            let (master, copy) = m.adopt(i, low)?;
+            masters.push(master);
+            copies.extend(copy);
+        }
+        Ok((masters, copies))
+    }
+
     /// Under `overlap`, the model whose `backward` will step `opt` (in parts,
-    /// train/overlap.rs), checked before anything is registered: one optimizer over one
+    /// train/sync/overlap.rs), checked before anything is registered: one optimizer over one
     /// model, of a kind that steps in parts.
     fn overlap_model<O: StatefulOptimizer>(&self, opt: &O) -> Result<usize> {
         if !crate::optim::parts::steps_in_parts::<O>() {
@@ -352,3 +316,24 @@ impl Accelerator {
 #[cfg(test)]
 #[path = "models_tests.rs"]
 mod tests;
+
+/// A low-precision variable and the f32 master it is refreshed from.
+type Refresh = (Var, Var);
+
+/// The variables of `varmap` by name, sorted; refuses an empty one.
+fn named_vars(varmap: &VarMap) -> Result<Vec<(String, Var)>> {
+    let mut named: Vec<(String, Var)> = varmap
+        .data()
+        .lock()
+        .map_err(|_| Error::Prepare("the VarMap's lock is poisoned by an earlier panic".into()))?
+        .iter()
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    if named.is_empty() {
+        return Err(Error::Prepare(
+            "the VarMap has no variables yet: build the model from it before preparing".into(),
+        ));
+    }
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok(named)
+}

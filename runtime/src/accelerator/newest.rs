@@ -31,15 +31,10 @@ impl Accelerator {
         let mut newest_error: Option<String> = None;
         loop {
             // The main process picks the next candidate that passes the listing check.
-            let mut pick = None;
-            while main && pick.is_none() && next < candidates.len() {
-                let dir = &candidates[next];
-                next += 1;
-                match verify_listing(dir) {
-                    Ok(_) => pick = Some(dir.clone()),
-                    Err(e) => skip(dir, &e, &mut newest_error),
-                }
-            }
+            let pick = match main {
+                true => next_listed(&candidates, &mut next, &mut newest_error),
+                false => None,
+            };
             let Some(dir) = self.broadcast_path(pick)? else {
                 let found = match newest_error.take() {
                     Some(e) => Newest::NoneSound(candidates.len(), e),
@@ -47,39 +42,46 @@ impl Accelerator {
                 };
                 return self.agree_on_outcome(found);
             };
-            let checked = self.classify_checkpoint(&dir);
-            let code = match &checked {
-                Ok(Checked::Ready(_)) => READY,
-                Ok(Checked::Damaged(e)) => {
-                    skip(&dir, e, &mut newest_error);
-                    DAMAGED
-                }
-                Err(_) => FAILED,
-            };
-            let all = self.comm().all_gather_bytes(&[code])?;
-            let worst = all.iter().filter_map(|c| c.first().copied()).max();
-            match (checked, worst) {
-                (Err(e), _) => return Err(e),
-                (Ok(_), Some(FAILED)) => {
-                    return Err(Error::Comm(format!(
-                        "checking the checkpoint {} failed on another rank; see its error \
-                         message",
+            if self.try_candidate(&dir, &mut newest_error)? {
+                return Ok(Newest::Loaded(dir));
+            }
+        }
+    }
+
+    /// Checks candidate `dir` on every rank and loads it if every rank found it sound; false
+    /// (with the reason in `newest_error` if none is there yet) when it is damaged here or on
+    /// another rank, so that every rank moves on to the next older one. A candidate that does
+    /// not fit this run is an error.
+    fn try_candidate(&mut self, dir: &Path, newest_error: &mut Option<String>) -> Result<bool> {
+        let checked = self.classify_checkpoint(dir);
+        let code = match &checked {
+            Ok(Checked::Ready(_)) => READY,
+            Ok(Checked::Damaged(e)) => {
+                skip(dir, e, newest_error);
+                DAMAGED
+            }
+            Err(_) => FAILED,
+        };
+        let all = self.comm().all_gather_bytes(&[code])?;
+        let worst = all.iter().filter_map(|c| c.first().copied()).max();
+        match (checked, worst) {
+            (Err(e), _) => Err(e),
+            (Ok(_), Some(FAILED)) => Err(Error::Comm(format!(
+                "checking the checkpoint {} failed on another rank; see its error message",
+                dir.display()
+            ))),
+            (Ok(Checked::Ready(plan)), Some(READY)) => {
+                self.apply_checked(*plan)?;
+                Ok(true)
+            }
+            (Ok(_), _) => {
+                newest_error.get_or_insert_with(|| {
+                    format!(
+                        "{} is damaged on another rank (see its warning)",
                         dir.display()
-                    )))
-                }
-                (Ok(Checked::Ready(plan)), Some(READY)) => {
-                    self.apply_checked(*plan)?;
-                    return Ok(Newest::Loaded(dir));
-                }
-                // Damaged here or on another rank: every rank moves on to the next older one.
-                (Ok(_), _) => {
-                    if newest_error.is_none() {
-                        newest_error = Some(format!(
-                            "{} is damaged on another rank (see its warning)",
-                            dir.display()
-                        ));
-                    }
-                }
+                    )
+                });
+                Ok(false)
             }
         }
     }
@@ -121,4 +123,22 @@ fn candidates(folders: &[PathBuf], recover: impl Fn(&Path)) -> Result<Vec<PathBu
         all = stepped.into_iter().map(|(_, d)| d).collect();
     }
     Ok(all)
+}
+
+/// The next of `candidates` from `next` on whose listing checks out (no file is read for
+/// that), moving `next` past it; the ones that fail are skipped with a warning.
+fn next_listed(
+    candidates: &[PathBuf],
+    next: &mut usize,
+    newest_error: &mut Option<String>,
+) -> Option<PathBuf> {
+    while *next < candidates.len() {
+        let dir = &candidates[*next];
+        *next += 1;
+        match verify_listing(dir) {
+            Ok(_) => return Some(dir.clone()),
+            Err(e) => skip(dir, &e, newest_error),
+        }
+    }
+    None
 }

@@ -68,35 +68,21 @@ impl Accelerator {
             dir.join(format!("{rank}/{kind}.safetensors"))
         };
         let mut models = Vec::with_capacity(self.training.models().len());
-        for i in 0..self.training.models().len() {
+        for (i, model) in self.training.models().iter().enumerate() {
             if direct.get(i).is_some_and(Option::is_some) {
                 models.push(Vec::new());
                 continue;
             }
             let name = Kind::Model.name(i);
-            let (mut runs, mut shapes) = (Runs::default(), Value::Null);
-            for s in states.iter_mut() {
-                if let Some(c) = s.components.iter_mut().find(|c| c.name == name) {
-                    runs.add(&files(&name), std::mem::take(&mut c.tensors))?;
-                    if shapes.is_null() {
-                        shapes = c.json["shapes"].clone();
-                    }
-                }
-            }
-            let model = &self.training.models()[i];
+            let (runs, json) = take_runs(states, &name, &files(&name))?;
+            let shapes = json.map_or(Value::Null, |j| j["shapes"].clone());
             model.check_shapes(&files(&name), &shapes)?;
             models.push(model.assemble(&files(&name), i, runs, layout)?);
         }
         let mut optimizers = Vec::with_capacity(self.training.optimizers().len());
         for j in 0..self.training.optimizers().len() {
             let name = Kind::Optimizer.name(j);
-            let (mut runs, mut json) = (Runs::default(), None);
-            for s in states.iter_mut() {
-                if let Some(c) = s.components.iter_mut().find(|c| c.name == name) {
-                    runs.add(&files(&name), std::mem::take(&mut c.tensors))?;
-                    json.get_or_insert_with(|| c.json.clone());
-                }
-            }
+            let (runs, json) = take_runs(states, &name, &files(&name))?;
             let json = json.ok_or_else(|| unfit(dir, format!("has no `{name}`")))?;
             optimizers.push(self.assemble_optimizer(&files(&name), runs, json)?);
         }
@@ -146,19 +132,7 @@ impl Accelerator {
                 out.push(Some(file));
                 continue;
             }
-            let (header, tensors) = read::read_checked(&path, expect)?;
-            let named: Vec<(String, Tensor)> = header
-                .tensors
-                .iter()
-                .map(|t| t.name.clone())
-                .zip(tensors)
-                .collect();
-            for s in states.iter_mut() {
-                if let Some(c) = s.components.iter_mut().find(|c| &c.name == name) {
-                    c.tensors = named;
-                    break;
-                }
-            }
+            stage_whole(states, name, &path, expect)?;
             out.push(None);
         }
         Ok(out)
@@ -227,4 +201,45 @@ impl Accelerator {
             );
         }
     }
+}
+
+/// The tensors of component `name` taken out of every saved rank of `states` (read from
+/// `file`, named in errors) as runs, with the first rank's JSON.
+fn take_runs(
+    states: &mut [&mut RankState],
+    name: &str,
+    file: &Path,
+) -> Result<(Runs, Option<Value>)> {
+    let (mut runs, mut json) = (Runs::default(), None);
+    for s in states.iter_mut() {
+        if let Some(c) = s.components.iter_mut().find(|c| c.name == name) {
+            runs.add(file, std::mem::take(&mut c.tensors))?;
+            json.get_or_insert_with(|| c.json.clone());
+        }
+    }
+    Ok((runs, json))
+}
+
+/// Reads the model file at `path` (checked against `expect`) into component `name` of the
+/// first saved rank in `states` that has it, so that assembling it gives the usual refusal.
+fn stage_whole(
+    states: &mut [&mut RankState],
+    name: &str,
+    path: &Path,
+    expect: (u64, u32),
+) -> Result<()> {
+    let (header, tensors) = read::read_checked(path, expect)?;
+    let named: Vec<(String, Tensor)> = header
+        .tensors
+        .iter()
+        .map(|t| t.name.clone())
+        .zip(tensors)
+        .collect();
+    if let Some(c) = states
+        .iter_mut()
+        .find_map(|s| s.components.iter_mut().find(|c| c.name == name))
+    {
+        c.tensors = named;
+    }
+    Ok(())
 }

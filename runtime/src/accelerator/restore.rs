@@ -20,12 +20,12 @@ use crate::checkpoint::layout::Layout;
 use crate::checkpoint::names;
 use crate::checkpoint::names::Kind;
 use crate::checkpoint::own_state::{read_own, Expected, OwnState};
-use crate::checkpoint::plan::deep_copy;
 use crate::checkpoint::plan::Assembled;
 use crate::checkpoint::plan::Checked;
 use crate::checkpoint::plan::Counts;
 use crate::checkpoint::plan::ModelLoad;
 use crate::checkpoint::plan::Plan;
+use crate::checkpoint::plan::{load_all_or_none, Target};
 use crate::checkpoint::store;
 use crate::checkpoint::RankState;
 use crate::error::Result;
@@ -181,7 +181,7 @@ impl Accelerator {
         manifest: &store::Manifest,
         own: usize,
     ) -> Result<(RankState, Vec<ModelLoad>, Vec<StateDict>)> {
-        let layout = Layout::of(dir, &manifest)?;
+        let layout = Layout::of(dir, manifest)?;
         let sharded = layout.is_sharded();
         let sources = self.source_ranks(&layout);
         let weights = names::is_weights;
@@ -264,16 +264,8 @@ impl Accelerator {
             moved_from: _,
         } = plan;
         self.load_undoably(&dir, &custom, &optimizers)?;
-        for (shared, pos) in self.data.loaders().iter().zip(loaders) {
-            *shared.lock() = pos;
-        }
-        if let Some(rng) = rng {
-            *self.data.rng().lock() = crate::rng::Rng::from_state(rng);
-        }
+        self.data.restore(loaders, rng, macro_loop);
         self.training.window().set_auto_index(auto_micro_step);
-        if let Some(p) = macro_loop {
-            self.data.loop_cursor().lock().resume_from(p);
-        }
         self.mixed.restore_scaler(scaler);
         let models = self.training.models_mut().iter_mut();
         for ((m, sums), saved) in models.zip(sums).zip(models_saved) {
@@ -304,66 +296,21 @@ impl Accelerator {
         custom: &[StateDict],
         optimizers: &[StateDict],
     ) -> Result<()> {
-        let mut undo_custom: Vec<(usize, StateDict)> = Vec::new();
-        let mut undo_opt: Vec<(usize, StateDict)> = Vec::new();
-        let total = custom.len() + optimizers.len();
-        let mut result = Ok(());
-        for (k, state) in custom.iter().chain(optimizers).enumerate() {
-            let (is_custom, i) = if k < custom.len() {
-                (true, k)
-            } else {
-                (false, k - custom.len())
-            };
-            let target: &mut dyn Stateful = if is_custom {
-                &mut *self.checkpoints.registered_mut()[i]
-            } else {
-                &mut *self.training.optimizers_mut()[i]
-            };
-            let before = if k + 1 < total {
-                // ivme's optimizers hand out copies already; other objects may hand out views.
-                let snapshot = if is_custom {
-                    target.state_dict().and_then(deep_copy)
-                } else {
-                    target.state_dict()
-                };
-                match snapshot {
-                    Ok(b) => Some(b),
-                    Err(e) => {
-                        result = Err(e);
-                        break;
-                    }
-                }
-            } else {
-                None
-            };
-            if let Err(e) = target.load_state_dict(state) {
-                let what = if is_custom {
-                    format!("registered object {i} ({})", Kind::Custom.name(i))
-                } else {
-                    format!("optimizer {i}")
-                };
-                result = Err(unfit(
-                    dir,
-                    format!("was refused by {what}: {e} (nothing was loaded)"),
-                ));
-                break;
-            }
-            if let Some(b) = before {
-                if is_custom {
-                    undo_custom.push((i, b))
-                } else {
-                    undo_opt.push((i, b))
-                }
-            }
-        }
-        if result.is_err() {
-            for (i, s) in undo_opt.iter().rev() {
-                let _ = self.training.optimizers_mut()[*i].load_state_dict(s);
-            }
-            for (i, s) in undo_custom.iter().rev() {
-                let _ = self.checkpoints.registered_mut()[*i].load_state_dict(s);
-            }
-        }
-        result
+        let customs = self.checkpoints.registered_mut().iter_mut().enumerate();
+        let customs = customs.map(|(i, o)| Target {
+            object: &mut **o as &mut dyn Stateful,
+            what: format!("registered object {i} ({})", Kind::Custom.name(i)),
+            // ivme's optimizers hand out copies already; other objects may hand out views.
+            deep_copy: true,
+        });
+        let opts = self.training.optimizers_mut().iter_mut().enumerate();
+        let opts = opts.map(|(i, o)| Target {
+            object: &mut **o as &mut dyn Stateful,
+            what: format!("optimizer {i}"),
+            deep_copy: false,
+        });
+        let mut targets: Vec<Target> = customs.chain(opts).collect();
+        let states: Vec<&StateDict> = custom.iter().chain(optimizers).collect();
+        load_all_or_none(dir, &mut targets, &states)
     }
 }

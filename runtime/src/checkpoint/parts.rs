@@ -8,7 +8,7 @@ use super::background::BackgroundSaves;
 use super::lock::FolderLock;
 use super::project::ProjectConfiguration;
 use crate::error::{Error, Result};
-use crate::stateful::Stateful;
+use crate::stateful::{StateDict, Stateful};
 
 /// What the Accelerator keeps between saves.
 pub(crate) struct Checkpointing {
@@ -89,6 +89,11 @@ impl Checkpointing {
     /// The registered objects, in registration order.
     pub(crate) fn registered(&self) -> &[Box<dyn Stateful>] {
         &self.registered
+    }
+
+    /// Each registered object's state, in registration order.
+    pub(crate) fn registered_states(&self) -> Result<Vec<StateDict>> {
+        self.registered.iter().map(|r| r.state_dict()).collect()
     }
 
     /// The registered objects, to restore.

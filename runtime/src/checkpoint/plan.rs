@@ -10,7 +10,7 @@ use crate::data::LoopPosition;
 use crate::error::{CheckpointErrorKind, Error, Result};
 use crate::precision::scaler::LossScaler;
 use crate::rng::RngState;
-use crate::stateful::StateDict;
+use crate::stateful::{StateDict, Stateful};
 use candle_core::Tensor;
 use std::path::{Path, PathBuf};
 
@@ -104,6 +104,56 @@ pub(crate) fn deep_copy(s: StateDict) -> Result<StateDict> {
         tensors,
         json: s.json,
     })
+}
+
+/// An object a load puts state into, named for errors; `deep_copy` when the state it hands
+/// out may share storage with it (so an undo needs a copy).
+pub(crate) struct Target<'a> {
+    pub object: &'a mut dyn Stateful,
+    pub what: String,
+    pub deep_copy: bool,
+}
+
+/// Loads `states[k]` into `targets[k]`, in order, all or nothing: when one refuses its state
+/// (an unfit checkpoint, said naming it and `dir`), those already loaded get back the state
+/// they had, taken just before each load.
+pub(crate) fn load_all_or_none(
+    dir: &Path,
+    targets: &mut [Target],
+    states: &[&StateDict],
+) -> Result<()> {
+    let last = targets.len().min(states.len()).saturating_sub(1);
+    let mut undo: Vec<(usize, StateDict)> = Vec::new();
+    let mut result = Ok(());
+    for (k, (t, state)) in targets.iter_mut().zip(states).enumerate() {
+        let before = match k < last {
+            true => match t.object.state_dict() {
+                Ok(b) if t.deep_copy => deep_copy(b).map(Some),
+                Ok(b) => Ok(Some(b)),
+                Err(e) => Err(e),
+            },
+            false => Ok(None),
+        };
+        let before = match before {
+            Ok(b) => b,
+            Err(e) => {
+                result = Err(e);
+                break;
+            }
+        };
+        if let Err(e) = t.object.load_state_dict(state) {
+            let msg = format!("was refused by {}: {e} (nothing was loaded)", t.what);
+            result = Err(crate::checkpoint::format::unfit(dir, msg));
+            break;
+        }
+        undo.extend(before.map(|b| (k, b)));
+    }
+    if result.is_err() {
+        for (k, s) in undo.iter().rev() {
+            let _ = targets[*k].object.load_state_dict(s);
+        }
+    }
+    result
 }
 
 /// Counts of each kind of component, for comparing a checkpoint with the prepared objects.

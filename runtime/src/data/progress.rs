@@ -4,8 +4,9 @@
 
 use super::{DataFile, LoaderPosition};
 use crate::data::LoopCursor;
+use crate::error::Result;
 use crate::rng::{mix, Rng};
-use crate::stateful::Shared;
+use crate::stateful::{Shared, StateDict};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// The positions that make a resume replay exactly the data that was not yet seen.
@@ -74,5 +75,48 @@ impl DataProgress {
     /// The position of the attribute's loops over plain collections.
     pub(crate) fn loop_cursor(&self) -> &Shared<LoopCursor> {
         &self.loop_cursor
+    }
+
+    /// Each prepared loader's saved state: its position, and the files it counts in (a
+    /// resume checks they are the same).
+    pub(crate) fn loader_states(&self) -> Result<Vec<StateDict>> {
+        let loaders = self.loaders.iter().zip(&self.loader_files);
+        loaders
+            .map(|(l, files)| {
+                let mut json = serde_json::to_value(*l.lock())?;
+                json["files"] = serde_json::to_value(files)?;
+                Ok(StateDict {
+                    tensors: Vec::new(),
+                    json,
+                })
+            })
+            .collect()
+    }
+
+    /// The generator's saved state.
+    pub(crate) fn rng_state(&self) -> Result<StateDict> {
+        Ok(StateDict {
+            tensors: Vec::new(),
+            json: serde_json::to_value(self.rng.lock().state())?,
+        })
+    }
+
+    /// Puts loaded positions back: each loader's, the generator's (`None` keeps this rank's
+    /// own, for a rank the saving run did not have) and the attribute's loop's.
+    pub(crate) fn restore(
+        &self,
+        loaders: Vec<LoaderPosition>,
+        rng: Option<crate::rng::RngState>,
+        macro_loop: Option<crate::data::LoopPosition>,
+    ) {
+        for (shared, pos) in self.loaders.iter().zip(loaders) {
+            *shared.lock() = pos;
+        }
+        if let Some(rng) = rng {
+            *self.rng.lock() = Rng::from_state(rng);
+        }
+        if let Some(p) = macro_loop {
+            self.loop_cursor.lock().resume_from(p);
+        }
     }
 }

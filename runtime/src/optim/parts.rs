@@ -1,6 +1,6 @@
 //! One optimizer step taken in parts: the step is opened once (its count, learning rate and
 //! bias corrections fixed), then each variable, or each run of a variable's elements, is
-//! updated as its gradient becomes final. The overlapped gradient sync (`train/overlap.rs`)
+//! updated as its gradient becomes final. The overlapped gradient sync (`train/sync/overlap.rs`)
 //! steps what a bucket brought while the next buckets are still being averaged; the numbers
 //! are those of one whole step, since every element's update depends only on its own gradient
 //! and state and on what the opening fixed.

@@ -103,6 +103,42 @@ impl MixedPrecision {
         Ok(())
     }
 
+    /// Refuses a prepared variable `name` of dtype `dt` that would train wrongly under this
+    /// policy: a BatchNorm running `statistic` not in f32 (candle's BatchNorm updates it with
+    /// f32 batch statistics), or an f32 parameter (not a `buffer`) under fp16/bf16, which
+    /// would silently train in f32.
+    pub(crate) fn check_variable(
+        &self,
+        name: &str,
+        dt: DType,
+        statistic: bool,
+        buffer: bool,
+    ) -> Result<()> {
+        if self.policy == Precision::No {
+            return Ok(());
+        }
+        if statistic && dt != DType::F32 {
+            return Err(crate::Error::Precision(format!(
+                "`{name}` (a BatchNorm running statistic) is {dt:?}: candle 0.11's BatchNorm \
+                 updates its statistics with f32 batch statistics, so its first training step \
+                 would fail with a dtype mismatch; build the model with \
+                 `accelerator.var_builder(&varmap, DType::F32)`, which keeps BatchNorm's \
+                 statistics in f32 under {} (or `#[accelerate]`, which writes that call)",
+                self.policy
+            )));
+        }
+        if dt == DType::F32 && !buffer {
+            return Err(crate::Error::Precision(format!(
+                "precision is {} but variable `{name}` is f32, so the model would silently \
+                 train in f32; create it with `accelerator.var_builder(&varmap, DType::F32)` \
+                 (exact f32 masters) or `VarBuilder::from_varmap(&varmap, \
+                 accelerator.param_dtype(DType::F32), accelerator.device())`",
+                self.policy
+            )));
+        }
+        Ok(())
+    }
+
     /// Puts back a loaded checkpoint's scaler.
     pub fn restore_scaler(&mut self, scaler: Option<LossScaler>) {
         self.scaler = scaler;

@@ -6,6 +6,8 @@ use crate::error::Result;
 use crate::optim::parts::PartStepper;
 use crate::train::bucket::SyncBuffers;
 use crate::train::shard::Sharded;
+
+pub(crate) use crate::train::params_prepare::NewVariable;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, TensorId, Var};
 

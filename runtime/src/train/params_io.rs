@@ -11,16 +11,20 @@ use crate::checkpoint::store::Listing;
 use crate::checkpoint::swap;
 use crate::comm::Communicator;
 use crate::error::Result;
+use crate::stateful::StateDict;
 use crate::train::params::ParamSet;
 use candle_core::{DType, Tensor, Var};
 use serde_json::{json, Value};
 use std::path::Path;
 
+/// Under sharding, the f32 variables a model file is read into before it is resliced.
+pub(crate) type Standins = Option<Vec<Var>>;
+
 impl ParamSet {
     /// The model's saved state: its f32 masters by name, or (sharded) this process's pieces as
     /// flat runs `name[from..to]` with every variable's shape in the JSON, so that a load on
     /// any layout can put each variable back.
-    pub(crate) fn state_dict(&self) -> Result<(Vec<(String, Tensor)>, Value)> {
+    pub(crate) fn state_dict(&self) -> Result<StateDict> {
         let Some(s) = &self.shard else {
             let tensors = self
                 .names
@@ -28,7 +32,8 @@ impl ParamSet {
                 .cloned()
                 .zip(self.master.iter().map(|v| v.as_tensor().clone()))
                 .collect();
-            return Ok((tensors, Value::Null));
+            let json = Value::Null;
+            return Ok(StateDict { tensors, json });
         };
         let tensors = s
             .plan
@@ -43,7 +48,8 @@ impl ParamSet {
             .zip(&self.compute)
             .map(|(n, v)| (n.clone(), json!(v.dims())))
             .collect();
-        Ok((tensors, json!({ "shapes": shapes })))
+        let json = json!({ "shapes": shapes });
+        Ok(StateDict { tensors, json })
     }
 
     /// The window's partial sums so far, by variable name (this rank's own).
@@ -312,7 +318,7 @@ impl ParamSet {
     pub(crate) fn load_targets(
         &self,
         key: impl Fn(&ParamSet, usize) -> Option<String>,
-    ) -> Result<(Vec<(String, Var)>, Option<Vec<Var>>)> {
+    ) -> Result<(Vec<(String, Var)>, Standins)> {
         let standins = match &self.shard {
             Some(_) => Some(
                 self.compute
@@ -331,7 +337,7 @@ impl ParamSet {
 
     /// After a model file was read into [`load_targets`](Self::load_targets)' variables: the
     /// stand-ins resliced into this process's pieces, and the weights refreshed.
-    pub(crate) fn take_loaded(&self, standins: Option<Vec<Var>>) -> Result<()> {
+    pub(crate) fn take_loaded(&self, standins: Standins) -> Result<()> {
         match (&self.shard, standins) {
             (Some(shard), Some(whole)) => {
                 shard.reslice(&whole)?;

@@ -13,18 +13,45 @@ use candle_core::{DType, TensorId, Var};
 /// computes with a separate low-precision copy) the (copy, master) pair to refresh after.
 pub(crate) type Adopted = (Var, Option<(Var, Var)>);
 
+/// One variable of a model being prepared: its name, the variable the model computes with,
+/// its f32 master (the variable itself where there is no separate one) and whether it is a
+/// buffer.
+pub(crate) struct NewVariable {
+    pub name: String,
+    pub compute: Var,
+    pub master: Var,
+    pub buffer: bool,
+}
+
+impl NewVariable {
+    /// A frozen variable: nothing steps it, so it has no master of its own.
+    pub(crate) fn frozen(name: String, var: Var) -> Self {
+        NewVariable {
+            name,
+            compute: var.clone(),
+            master: var,
+            buffer: false,
+        }
+    }
+}
+
 impl ParamSet {
-    /// A model's parameter set: its variables in name order, the ones it computes with, their
-    /// f32 masters, which are buffers, and (under sharding) this process's slice. Nothing
-    /// trains until an optimizer adopts its variables.
-    pub(crate) fn new(
-        names: Vec<String>,
-        compute: Vec<Var>,
-        master: Vec<Var>,
-        buffer: Vec<bool>,
-        shard: Option<Sharded>,
-    ) -> ParamSet {
-        let n = names.len();
+    /// A model's parameter set from its variables in name order and (under sharding) this
+    /// process's slice. Nothing trains until an optimizer adopts its variables.
+    pub(crate) fn new(vars: Vec<NewVariable>, shard: Option<Sharded>) -> ParamSet {
+        let n = vars.len();
+        let (mut names, mut compute, mut master, mut buffer) = (
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+        );
+        for v in vars {
+            names.push(v.name);
+            compute.push(v.compute);
+            master.push(v.master);
+            buffer.push(v.buffer);
+        }
         ParamSet {
             names,
             compute,

@@ -6,6 +6,7 @@ use crate::comm::Communicator;
 use crate::error::Result;
 use crate::optim::accelerated::PreparedSlot;
 use crate::setup::config::BufferSync;
+use crate::stateful::StateDict;
 use crate::train::params::ParamSet;
 use crate::train::reach::{Reach, Unreached};
 use crate::train::window::GradientState;
@@ -155,15 +156,6 @@ impl Training {
             .collect()
     }
 
-    /// Adds a micro-batch's gradients to each model's window sums; says which models the loss
-    /// reached (`[i]` for model `i`).
-    pub(crate) fn accumulate(&mut self, store: &GradStore) -> Result<Vec<bool>> {
-        self.models
-            .iter_mut()
-            .map(|m| m.accumulate(store))
-            .collect()
-    }
-
     /// Brings the buffers of the models this window trained (`touched`) to agreement as `mode`
     /// says, after adopting as buffers the variables that changed in the forward without a
     /// gradient (warned once, on the main process: it changes what trains).
@@ -194,5 +186,27 @@ impl Training {
     /// so far, if a backward of the current window reached it.
     pub(crate) fn window_sum(&self, id: TensorId) -> Option<&Tensor> {
         self.models.iter().find_map(|m| m.window_sum(id))?
+    }
+
+    /// Each model's saved state (its f32 masters, or this process's slice), in preparation
+    /// order.
+    pub(crate) fn model_states(&self) -> Result<Vec<StateDict>> {
+        self.models.iter().map(ParamSet::state_dict).collect()
+    }
+
+    /// Each prepared optimizer's state, in preparation order.
+    pub(crate) fn optimizer_states(&self) -> Result<Vec<StateDict>> {
+        self.optimizers.iter().map(|o| o.state_dict()).collect()
+    }
+
+    /// The window's partial sums so far, `{model}::{variable}`: this rank's own.
+    pub(crate) fn window_sums(&self) -> Vec<(String, Tensor)> {
+        let models = self.models.iter().enumerate();
+        models
+            .flat_map(|(i, m)| {
+                m.window_sums()
+                    .map(move |(name, s)| (format!("{i}::{name}"), s.clone()))
+            })
+            .collect()
     }
 }

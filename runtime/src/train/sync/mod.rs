@@ -184,7 +184,11 @@ pub(crate) fn take(
         clock.since(Phase::Sync, start);
         return grads;
     }
-    let touched = training.accumulate(&store)?;
+    // Which models the loss reached (`touched[i]` for model `i`): only they end the window.
+    let models = training.models_mut().iter_mut();
+    let touched = models
+        .map(|m| m.accumulate(&store))
+        .collect::<Result<Vec<bool>>>()?;
     drop(store);
     clock.since(Phase::Backward, started);
     if !ends_window {
