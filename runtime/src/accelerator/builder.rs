@@ -212,6 +212,70 @@ impl AcceleratorBuilder {
     /// Resolves the settings, joins the distributed run and builds the Accelerator.
     pub fn build(self) -> Result<Accelerator> {
         let mut warnings = Vec::new();
+        let step = self.resolve_step(&mut warnings)?;
+        let comm_options = CommOptions {
+            threads: step.overlap,
+            ..self.comm_options()?
+        };
+        let profile = super::profile::ProfileSettings::resolve(
+            self.profile.clone(),
+            self.flops_per_sample,
+            self.peak_flops,
+        )?;
+        let project = self.project()?;
+        let preempt = crate::setup::preempt::PreemptSettings::read(|k| std::env::var(k).ok())?;
+        let step_times_every = step_times_every()?;
+        let snapshot_every = self.resolve_snapshot_every()?;
+        let (state, comm) = join(step.cpu, &comm_options)?;
+        check_precision(step.precision, &state.device)?;
+        if step.overlap {
+            let overlap = crate::train::sync::overlap_warnings;
+            warnings.extend(overlap(state.world_size, state.local_world_size, &*comm));
+        }
+        if state.is_main_process() {
+            for w in &warnings {
+                warn_user!("{}", w.strip_prefix("ivme: ").unwrap_or(w));
+            }
+        }
+        let tuning = self.malloc_tuning.unwrap_or_else(|| {
+            env::MALLOC_TUNING
+                .get()
+                .is_none_or(|raw| env::parse_bool(&raw) != Some(false))
+        });
+        crate::setup::allocator::tune(tuning);
+        // After the communicator opened, so that no MPI set-up replaces the handlers.
+        crate::setup::preempt::install(&preempt);
+        let (seed, _) = resolve(&table::SEED, self.seed)?;
+        let snapshots = super::snapshots::snapshots_of(snapshot_every, &state);
+        let profiling = profile.map(|p| super::profile::Profiling::start(p, &state));
+        let mut comm = Counted::new(comm);
+        let training = crate::train::training::Training::new(step.grad_accum);
+        if let Some(p) = &profiling {
+            comm = comm.recording_into(p.trace().clone());
+            training.window().clock().record_into(p.trace().clone());
+        }
+        let sync = self.sync_settings(&step)?;
+        let rank = state.rank;
+        Ok(Accelerator {
+            state,
+            comm,
+            sync,
+            mixed: crate::precision::MixedPrecision::new(step.precision, self.initial_loss_scale),
+            training,
+            data: crate::data::DataProgress::new(seed, rank),
+            checkpoints: crate::checkpoint::Checkpointing::new(project, self.async_checkpoints)
+                .with_snapshots(snapshots),
+            trackers: Shared::new(None),
+            finetune: Default::default(),
+            preempt: Default::default(),
+            step_times_every,
+            profiling,
+        })
+    }
+
+    /// The settings of the training step, resolved and checked together (collecting the
+    /// warnings a setting from the environment overriding code gives).
+    fn resolve_step(&self, warnings: &mut Vec<String>) -> Result<StepSettings> {
         let mut take = |w: Option<String>| warnings.extend(w);
         let (grad_accum, w) = resolve(&table::GRAD_ACCUM, self.grad_accum)?;
         take(w);
@@ -221,9 +285,26 @@ impl AcceleratorBuilder {
         take(w);
         let (buffers, w) = resolve(&table::BUFFERS, self.buffers)?;
         take(w);
-        if buffers == crate::setup::config::BufferSync::Local
-            && sharding != crate::setup::config::Sharding::No
-        {
+        let (cpu, w) = resolve_with(&table::CPU, self.cpu, switch(&table::CPU))?;
+        take(w);
+        let (overlap, w) = resolve_with(&table::OVERLAP, self.overlap, switch(&table::OVERLAP))?;
+        take(w);
+        let step = StepSettings {
+            grad_accum,
+            precision,
+            sharding,
+            buffers,
+            cpu,
+            overlap,
+        };
+        self.check_step(&step)?;
+        Ok(step)
+    }
+
+    /// Refuses step settings that cannot work together, or a value outside its row's bound.
+    fn check_step(&self, step: &StepSettings) -> Result<()> {
+        let sharded = step.sharding != crate::setup::config::Sharding::No;
+        if step.buffers == crate::setup::config::BufferSync::Local && sharded {
             return Err(Error::config(
                 table::BUFFERS.name,
                 "local, with sharding",
@@ -231,19 +312,15 @@ impl AcceleratorBuilder {
                  holds one value of each buffer, and local buffers differ by process",
             ));
         }
-        let (cpu, w) = resolve_with(&table::CPU, self.cpu, switch(&table::CPU))?;
-        take(w);
-        let (overlap, w) = resolve_with(&table::OVERLAP, self.overlap, switch(&table::OVERLAP))?;
-        take(w);
-        if overlap && sharding != crate::setup::config::Sharding::No {
+        if step.overlap && sharded {
             return Err(Error::config(
                 table::OVERLAP.name,
-                format!("true, with sharding = {sharding}"),
+                format!("true, with sharding = {}", step.sharding),
                 "leave overlap off under sharding: the sharded step already runs inside \
                  `backward`, over this process's slice",
             ));
         }
-        check_bound(&table::GRAD_ACCUM, grad_accum as f64, grad_accum)?;
+        check_bound(&table::GRAD_ACCUM, step.grad_accum as f64, step.grad_accum)?;
         if let (Some(_), Some(_)) = (self.clip_grad_norm, self.clip_grad_value) {
             return Err(Error::config(
                 table::CLIP_GRAD_NORM.name,
@@ -260,150 +337,124 @@ impl AcceleratorBuilder {
                 check_bound(row, v, v)?;
             }
         }
+        Ok(())
+    }
 
-        let comm_options = CommOptions {
-            threads: overlap,
-            ..self.comm_options()?
-        };
-        let profile = super::profile::ProfileSettings::resolve(
-            self.profile.clone(),
-            self.flops_per_sample,
-            self.peak_flops,
-        )?;
-        let project = match (self.project_dir, self.total_limit) {
+    /// How windows end: the stage, the bucket size (its row's default), clipping, buffers
+    /// and overlap.
+    fn sync_settings(&self, step: &StepSettings) -> Result<crate::train::sync::SyncSettings> {
+        let (bucket_mb, _) = resolve(&table::BUCKET_SIZE_MB, self.bucket_mb)?;
+        Ok(crate::train::sync::SyncSettings::new(
+            step.sharding,
+            bucket_mb.max(1) << 20,
+            self.clip_grad_norm,
+            self.clip_grad_value,
+        )
+        .with_buffers(step.buffers)
+        .with_overlap(step.overlap))
+    }
+
+    /// The project configuration `project_dir` and `total_limit` make, if any.
+    fn project(&self) -> Result<Option<crate::checkpoint::ProjectConfiguration>> {
+        match (&self.project_dir, self.total_limit) {
             (Some(dir), limit) => {
-                let mut p = crate::checkpoint::ProjectConfiguration::new(dir)
+                let mut p = crate::checkpoint::ProjectConfiguration::new(dir.clone())
                     .automatic_checkpoint_naming(true);
                 if let Some(n) = limit {
                     p = p.total_limit(n);
                 }
                 p.validate()?;
-                Some(p)
+                Ok(Some(p))
             }
-            (None, Some(n)) => {
-                return Err(Error::config(
-                    table::TOTAL_LIMIT.name,
-                    n,
-                    "set project_dir too: the limit applies to a project's checkpoints",
-                ))
-            }
-            (None, None) => None,
-        };
+            (None, Some(n)) => Err(Error::config(
+                table::TOTAL_LIMIT.name,
+                n,
+                "set project_dir too: the limit applies to a project's checkpoints",
+            )),
+            (None, None) => Ok(None),
+        }
+    }
 
-        let preempt = crate::setup::preempt::PreemptSettings::read(|k| std::env::var(k).ok())?;
-        let step_times_every = match env::STEP_TIMES.get() {
-            None => None,
-            Some(raw) => match raw.parse::<u64>() {
-                Ok(0) => None,
-                Ok(n) => Some(n),
-                Err(_) => {
-                    return Err(Error::config(
-                        env::STEP_TIMES.name,
-                        &raw,
-                        "use a whole number of optimizer steps, or 0 for no report",
-                    ))
-                }
-            },
-        };
-        let snapshot_every = match (self.snapshot_every, env::SNAPSHOT_EVERY.get()) {
-            (Some(k), _) => k,
-            (None, None) => 0,
+    /// Every how many optimizer steps a snapshot is taken in memory (0: none): the builder's
+    /// value, else `IVME_SNAPSHOT_EVERY`.
+    fn resolve_snapshot_every(&self) -> Result<u64> {
+        match (self.snapshot_every, env::SNAPSHOT_EVERY.get()) {
+            (Some(k), _) => Ok(k),
+            (None, None) => Ok(0),
             (None, Some(raw)) => raw.parse::<u64>().map_err(|_| {
                 Error::config(
                     env::SNAPSHOT_EVERY.name,
                     &raw,
                     "use a whole number of optimizer steps, or 0 to turn snapshots off",
                 )
-            })?,
-        };
-        let layout = EnvLayout::from_env()?;
-        let (rank, world, local_rank, local_world) = match layout {
-            Some(l) => (l.rank, l.world_size, l.local_rank, l.local_world_size),
-            None => (0, 1, 0, 1),
-        };
-        // The device first: the communicator is the one for that device.
-        let device = select_device(local_rank, cpu)?;
-        let comm = comm::open(world, &device, &comm_options)?;
-        if comm.world_size() != world || comm.rank() != rank {
-            // Under srun, MPI forms its world only through a process manager interface.
-            let srun = std::env::var_os(env::SLURM_STEP_NUM_TASKS).is_some();
-            return Err(Error::Setup(format!(
-                "the environment says rank {rank} of {world} but {} says rank {} of {}; start \
-                 the program with `ivme launch` or a matching mpirun{}",
-                comm.name(),
-                comm.rank(),
-                comm.world_size(),
-                if srun {
-                    ", or give srun MPI's process manager: `srun --mpi=pmix` (Open MPI) or \
-                     `--mpi=pmi2` (MPICH)"
-                } else {
-                    ""
-                }
-            )));
+            }),
         }
-        check_precision(precision, &device)?;
-        if overlap {
-            warnings.extend(crate::train::sync::overlap_warnings(
-                world,
-                local_world,
-                &*comm,
-            ));
-        }
-        let state = ProcessState {
-            rank,
-            world_size: world,
-            local_rank,
-            local_world_size: local_world,
-            device,
-        };
-        if state.is_main_process() {
-            for w in &warnings {
-                warn_user!("{}", w.strip_prefix("ivme: ").unwrap_or(w));
-            }
-        }
-        let tuning = self.malloc_tuning.unwrap_or_else(|| {
-            env::MALLOC_TUNING
-                .get()
-                .is_none_or(|raw| env::parse_bool(&raw) != Some(false))
-        });
-        crate::setup::allocator::tune(tuning);
-        // After the communicator opened, so that no MPI set-up replaces the handlers.
-        crate::setup::preempt::install(&preempt);
-        let (seed, _) = resolve(&table::SEED, self.seed)?;
-        let (bucket_mb, _) = resolve(&table::BUCKET_SIZE_MB, self.bucket_mb)?;
-        let snapshots = super::snapshots::snapshots_of(snapshot_every, &state);
-        let profiling = profile.map(|p| super::profile::Profiling::start(p, &state));
-        let mut comm = Counted::new(comm);
-        if let Some(p) = &profiling {
-            comm = comm.recording_into(p.trace().clone());
-        }
-        let training = crate::train::training::Training::new(grad_accum);
-        if let Some(p) = &profiling {
-            training.window().clock().record_into(p.trace().clone());
-        }
-        Ok(Accelerator {
-            state,
-            comm,
-            sync: crate::train::sync::SyncSettings::new(
-                sharding,
-                bucket_mb.max(1) << 20,
-                self.clip_grad_norm,
-                self.clip_grad_value,
-            )
-            .with_buffers(buffers)
-            .with_overlap(overlap),
-            mixed: crate::precision::MixedPrecision::new(precision, self.initial_loss_scale),
-            training,
-            data: crate::data::DataProgress::new(seed, rank),
-            checkpoints: crate::checkpoint::Checkpointing::new(project, self.async_checkpoints)
-                .with_snapshots(snapshots),
-            trackers: Shared::new(None),
-            finetune: Default::default(),
-            preempt: Default::default(),
-            step_times_every,
-            profiling,
-        })
     }
+}
+
+/// The step's settings once resolved.
+struct StepSettings {
+    grad_accum: usize,
+    precision: Precision,
+    sharding: crate::setup::config::Sharding,
+    buffers: crate::setup::config::BufferSync,
+    cpu: bool,
+    overlap: bool,
+}
+
+/// Every how many optimizer steps the step-time report is printed (`IVME_STEP_TIMES`; 0 or
+/// unset: never).
+fn step_times_every() -> Result<Option<u64>> {
+    let Some(raw) = env::STEP_TIMES.get() else {
+        return Ok(None);
+    };
+    match raw.parse::<u64>() {
+        Ok(0) => Ok(None),
+        Ok(n) => Ok(Some(n)),
+        Err(_) => Err(Error::config(
+            env::STEP_TIMES.name,
+            &raw,
+            "use a whole number of optimizer steps, or 0 for no report",
+        )),
+    }
+}
+
+/// Joins the run the launcher's environment describes (one process when there is none): the
+/// device first, then the communicator for that device, checked to agree with the
+/// environment about this process's rank.
+fn join(cpu: bool, options: &CommOptions) -> Result<(ProcessState, Box<dyn comm::Communicator>)> {
+    let layout = EnvLayout::from_env()?;
+    let (rank, world, local_rank, local_world) = match layout {
+        Some(l) => (l.rank, l.world_size, l.local_rank, l.local_world_size),
+        None => (0, 1, 0, 1),
+    };
+    let device = select_device(local_rank, cpu)?;
+    let comm = comm::open(world, &device, options)?;
+    if comm.world_size() != world || comm.rank() != rank {
+        // Under srun, MPI forms its world only through a process manager interface.
+        let srun = std::env::var_os(env::SLURM_STEP_NUM_TASKS).is_some();
+        return Err(Error::Setup(format!(
+            "the environment says rank {rank} of {world} but {} says rank {} of {}; start \
+             the program with `ivme launch` or a matching mpirun{}",
+            comm.name(),
+            comm.rank(),
+            comm.world_size(),
+            if srun {
+                ", or give srun MPI's process manager: `srun --mpi=pmix` (Open MPI) or \
+                 `--mpi=pmi2` (MPICH)"
+            } else {
+                ""
+            }
+        )));
+    }
+    let state = ProcessState {
+        rank,
+        world_size: world,
+        local_rank,
+        local_world_size: local_world,
+        device,
+    };
+    Ok((state, comm))
 }
 
 /// The parser of an on/off setting's variable (`1`, `true`, `0`, ...), which reads its default too.
