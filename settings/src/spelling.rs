@@ -41,6 +41,9 @@ mod tests {
     #[test]
     fn typos_are_near_and_other_words_are_not() {
         assert_eq!(edit_distance("grad_acum", "grad_accum"), 1);
+        assert_eq!(edit_distance("seeed", "seed"), 1);
+        assert_eq!(edit_distance("kitten", "sitting"), 3);
+        assert_eq!(edit_distance("same", "same"), 0);
         assert_eq!(edit_distance("", "cpu"), 3);
         assert_eq!(closest("precison", ["precision", "cpu"]), Some("precision"));
         assert_eq!(closest("f16", ["no", "fp16", "bf16"]), Some("fp16"));

@@ -152,20 +152,6 @@ fn not_a_function(item: &TokenStream) -> syn::Error {
 }
 
 #[cfg(test)]
-mod tests {
-    use crate::spelling::edit_distance;
-
-    #[test]
-    fn edit_distance_counts_single_edits() {
-        assert_eq!(edit_distance("grad_acum", "grad_accum"), 1);
-        assert_eq!(edit_distance("seeed", "seed"), 1);
-        assert_eq!(edit_distance("", "cpu"), 3);
-        assert_eq!(edit_distance("kitten", "sitting"), 3);
-        assert_eq!(edit_distance("same", "same"), 0);
-    }
-}
-
-#[cfg(test)]
 mod impl_trait_tests {
     use super::mentions_impl_trait;
 

@@ -5,7 +5,3 @@
 pub(crate) fn closest(word: &str, candidates: &[&'static str]) -> Option<&'static str> {
     ivme_settings::spelling::closest(word, candidates.iter().copied())
 }
-
-/// The edit distance between two words (the settings table's).
-#[cfg(test)]
-pub(crate) use ivme_settings::spelling::edit_distance;

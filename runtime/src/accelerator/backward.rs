@@ -47,15 +47,14 @@ impl Accelerator {
             scaled: self.mixed.scales_loss(),
             started,
         };
-        let grads = sync::take(&mut self.training, &self.sync, &self.comm, micro)?;
-        if sync {
-            let start = Instant::now();
-            self.mixed.end_step(grads.found_overflow())?;
+        let taken = sync::take(&mut self.training, &self.sync, &self.comm, micro)?;
+        if let Some(began) = taken.sync_began {
+            self.mixed.end_step(taken.grads.found_overflow())?;
             self.agree_on_stop()?;
             let clock = self.training.window().clock();
-            clock.since(crate::observe::step_times::Phase::Sync, start);
+            clock.since(crate::observe::step_times::Phase::Sync, began);
         }
-        Ok(grads)
+        Ok(taken.grads)
     }
 
     /// Refuses a backward that would need a prepared model to sync, accumulate or unscale.

@@ -153,15 +153,25 @@ pub(crate) struct WindowEnd<'a> {
     pub check_overflow: bool,
 }
 
+/// What [`take`] hands back: the gradients `backward` returns and, when the window ended,
+/// when its end began (the step's sync phase runs from there until `backward` is done).
+pub(crate) struct Taken {
+    /// The gradients `backward` returns.
+    pub grads: Gradients,
+    /// When the window's end began, if it ended.
+    pub sync_began: Option<Instant>,
+}
+
 /// Takes one micro-batch's gradients into the window: adds them to the models' window sums
 /// and, on the window's last micro-batch, ends the window (buffers agreed, gradients synced,
-/// unscaled and clipped, sharded optimizers stepped). Returns what `backward` returns.
+/// unscaled and clipped, sharded optimizers stepped). Records the micro-batch's backward
+/// phase; the sync phase is the caller's to close.
 pub(crate) fn take(
     training: &mut Training,
     settings: &SyncSettings,
     comm: &dyn Communicator,
     micro: MicroBatch,
-) -> Result<Gradients> {
+) -> Result<Taken> {
     let clock = training.window().clock().clone();
     let MicroBatch {
         store,
@@ -179,10 +189,9 @@ pub(crate) fn take(
     };
     if ends_window && replicated::passes_through(training, &end) {
         clock.since(Phase::Backward, started);
-        let start = Instant::now();
-        let grads = replicated::end_in_place(training, &end, store);
-        clock.since(Phase::Sync, start);
-        return grads;
+        let sync_began = Some(Instant::now());
+        let grads = replicated::end_in_place(training, &end, store)?;
+        return Ok(Taken { grads, sync_began });
     }
     // Which models the loss reached (`touched[i]` for model `i`): only they end the window.
     let models = training.models_mut().iter_mut();
@@ -192,12 +201,15 @@ pub(crate) fn take(
     drop(store);
     clock.since(Phase::Backward, started);
     if !ends_window {
-        return Ok(Gradients::accumulating());
+        let grads = Gradients::accumulating();
+        return Ok(Taken {
+            grads,
+            sync_began: None,
+        });
     }
-    let start = Instant::now();
-    let grads = end_window(training, &end, &touched);
-    clock.since(Phase::Sync, start);
-    grads
+    let sync_began = Some(Instant::now());
+    let grads = end_window(training, &end, &touched)?;
+    Ok(Taken { grads, sync_began })
 }
 
 /// Ends the window on its last micro-batch for the models the loss reached (`touched[i]` for
