@@ -13,6 +13,7 @@ use parquet::arrow::arrow_reader::{
 };
 use parquet::arrow::ProjectionMask;
 use parquet::file::reader::{ChunkReader, Length};
+use parquet::file::serialized_reader::SerializedPageReader;
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::Read;
@@ -134,6 +135,16 @@ impl ParquetFiles {
         let first = part.groups.firsts[g];
         let in_group = part.groups.firsts[g + 1] - first;
         let fail = |e: String| {
+            if e.contains("CRC checksum mismatch") {
+                return Error::Usage(format!(
+                    "{}: row group {g}, {}: the page does not match its CRC-32 checksum, so \
+                     the file is damaged (nothing of this batch was used); re-download or \
+                     re-write the file",
+                    part.path.display(),
+                    self.damaged_page(k, g)
+                        .unwrap_or_else(|| "a column's data page".to_string())
+                ));
+            }
             Error::Usage(format!(
                 "row group {g} of {} cannot be read: {e}",
                 part.path.display()
@@ -172,6 +183,35 @@ impl ParquetFiles {
             )));
         }
         Ok(out)
+    }
+
+    /// Which chosen column's page of row group `g` of file `k` fails its checksum, read page
+    /// by page (only after a read of the group failed): "column `id`, page 2 of its chunk
+    /// (bytes 4..1700 of the file)".
+    fn damaged_page(&self, k: usize, g: usize) -> Option<String> {
+        let part = &self.parts[k];
+        let group = part.meta.metadata().row_group(g);
+        let rows = group.num_rows().max(0) as usize;
+        for (i, column) in group.columns().iter().enumerate() {
+            if !part.mask.leaf_included(i) {
+                continue;
+            }
+            let file = Arc::new(part.file.clone());
+            let Ok(pages) = SerializedPageReader::new(file, column, rows, None) else {
+                continue;
+            };
+            let failed = pages.enumerate().find_map(|(n, p)| p.err().map(|e| (n, e)));
+            if let Some((n, _)) = failed.filter(|(_, e)| e.to_string().contains("CRC")) {
+                let (start, len) = column.byte_range();
+                return Some(format!(
+                    "column `{}`, page {} of its chunk (bytes {start}..{} of the file)",
+                    column.column_path().string(),
+                    n + 1,
+                    start + len
+                ));
+            }
+        }
+        None
     }
 }
 

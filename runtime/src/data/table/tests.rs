@@ -403,6 +403,74 @@ mod parquet_tests {
         );
         let _ = std::fs::remove_dir_all(&dir);
     }
+
+    /// A Parquet file pyarrow wrote with page checksums (scripts/make-data-fixtures.sh):
+    /// 400 rows, two row groups of 200, `id` = 1,000,000 + row, uncompressed and plainly
+    /// encoded, so that a flipped byte still decodes and only the checksum can tell.
+    fn checksummed(dir: &Path) -> PathBuf {
+        let fixture = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../tests/fixtures/data/checksummed.parquet");
+        let path = dir.join("checksummed.parquet");
+        std::fs::copy(&fixture, &path).unwrap();
+        path
+    }
+
+    /// The loader's batches of 50 rows, in order, until the first error (its batch index and
+    /// message), with or without prefetch workers.
+    fn read_until_error(path: &Path, prefetch: usize) -> (Vec<i64>, Option<(usize, String)>) {
+        let rows = ParquetFiles::open(&[path], &["id", "text"]).unwrap();
+        let mut loader = crate::data::DataLoader::new(rows, 50);
+        if prefetch > 0 {
+            loader = loader.prefetch(prefetch);
+        }
+        let mut ids = Vec::new();
+        for (b, batch) in loader.iter().enumerate() {
+            match batch {
+                Ok(rows) => ids.extend(rows.iter().map(|r| r.int("id").unwrap())),
+                Err(e) => return (ids, Some((b, e.to_string()))),
+            }
+        }
+        (ids, None)
+    }
+
+    #[test]
+    fn a_page_that_fails_its_checksum_fails_the_batch_that_reads_it_naming_the_column() {
+        let dir = scratch("parquet-crc");
+        let path = checksummed(&dir);
+        // Intact, every checksum matches and every row reads back.
+        let (ids, err) = read_until_error(&path, 0);
+        assert!(err.is_none(), "{err:?}");
+        assert_eq!(ids, (0..400).map(|i| 1_000_000 + i).collect::<Vec<i64>>());
+        // One bit of row 300's `id` flipped, inside the data page of row group 1.
+        let mut bytes = std::fs::read(&path).unwrap();
+        let needle = (1_000_300i64).to_le_bytes();
+        let at = bytes
+            .windows(8)
+            .position(|w| w == needle)
+            .expect("row 300's id, plainly encoded");
+        bytes[at] ^= 0x01;
+        std::fs::write(&path, &bytes).unwrap();
+        for prefetch in [0, 2] {
+            let (ids, err) = read_until_error(&path, prefetch);
+            // The four batches of row group 0 arrive whole; the fifth, the first to read row
+            // group 1's page, fails: no row of the damaged page is ever a sample.
+            assert_eq!(ids, (0..200).map(|i| 1_000_000 + i).collect::<Vec<i64>>());
+            let (batch, msg) = err.expect("the damaged page is refused");
+            assert_eq!(batch, 4, "prefetch {prefetch}: {msg}");
+            for part in [
+                "checksummed.parquet",
+                "row group 1",
+                "column `id`",
+                "CRC-32",
+            ] {
+                assert!(
+                    msg.contains(part),
+                    "prefetch {prefetch}: no `{part}` in: {msg}"
+                );
+            }
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }
 
 #[test]
