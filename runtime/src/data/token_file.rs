@@ -201,13 +201,7 @@ fn open_part(path: &Path, width: Option<TokenWidth>) -> Result<Part> {
         }
         (LLMC_HEADER, width, tokens)
     } else {
-        let width = width.ok_or_else(|| {
-            bad(
-                "has no llm.c header, so say how wide its ids are: Some(TokenWidth::U16) for \
-                 nanoGPT's files"
-                    .into(),
-            )
-        })?;
+        let width = width.ok_or_else(|| bad(no_header(&file, size)))?;
         if size % width.bytes() != 0 {
             return Err(bad(format!(
                 "holds {size} bytes, not a whole number of {}-byte ids",
@@ -224,6 +218,39 @@ fn open_part(path: &Path, width: Option<TokenWidth>) -> Result<Part> {
         width,
         first_window: 0,
     })
+}
+
+/// Why a file opened without a width is not an llm.c file: what its first bytes read, against
+/// llm.c's magic number, and whether nanoGPT's raw layout (u16 ids, no header) fits its size.
+fn no_header(file: &File, size: u64) -> String {
+    let mut magic = [0u8; 4];
+    if size < 4 || file.read_exact_at(&mut magic, 0).is_err() {
+        return format!(
+            "is {size} bytes, too short for llm.c's header (which starts with the magic number \
+             {LLMC_MAGIC}), so say how wide its ids are: Some(TokenWidth::U16) for nanoGPT's \
+             files"
+        );
+    }
+    let read = i32::from_le_bytes(magic);
+    if read == LLMC_MAGIC {
+        return format!(
+            "starts with llm.c's magic number {LLMC_MAGIC} but is {size} bytes, shorter than \
+             llm.c's {LLMC_HEADER}-byte header: the file is cut short"
+        );
+    }
+    let raw = match size % 2 {
+        0 => format!(
+            "its {size} bytes are a whole number of u16 ids, as in nanoGPT's raw files (no \
+             header)"
+        ),
+        _ => format!("its {size} bytes are not a whole number of u16 ids either"),
+    };
+    format!(
+        "has no llm.c header: its first 4 bytes read {read} (a little-endian i32) where llm.c's \
+         token files start with the magic number {LLMC_MAGIC}; {raw}; say how wide its ids \
+         are: Some(TokenWidth::U16) for nanoGPT's files, Some(TokenWidth::U32) for ids past \
+         65535"
+    )
 }
 
 impl Dataset for TokenFile {
@@ -400,6 +427,27 @@ mod tests {
         );
         let e = TokenFile::open(&[d.join("odd.bin")], None, 1).unwrap_err();
         assert!(e.to_string().contains("how wide"), "{e}");
+        // nanoGPT's raw layout opened as llm.c's: what was read, what was expected, which
+        // reader fits.
+        raw_u16(&d.join("raw.bin"), 0..1000u16);
+        let e = TokenFile::open(&[d.join("raw.bin")], None, 1)
+            .unwrap_err()
+            .to_string();
+        let read = i32::from_le_bytes([0, 0, 1, 0]);
+        for part in [
+            "raw.bin",
+            &format!("read {read}"),
+            "20240520",
+            "2000 bytes are a whole number of u16 ids",
+            "nanoGPT",
+            "Some(TokenWidth::U16)",
+        ] {
+            assert!(e.contains(part), "no `{part}` in: {e}");
+        }
+        // llm.c's magic number in a file shorter than its header: cut short.
+        std::fs::write(d.join("cut.bin"), LLMC_MAGIC.to_le_bytes()).unwrap();
+        let e = TokenFile::open(&[d.join("cut.bin")], None, 1).unwrap_err();
+        assert!(e.to_string().contains("cut short"), "{e}");
         let mut header = [0i32; 256];
         header[0] = LLMC_MAGIC;
         header[1] = 7;
