@@ -460,3 +460,47 @@ fn a_data_file_changed_since_the_checkpoint_is_named_and_nothing_is_loaded() -> 
     let _ = std::fs::remove_dir_all(&dir);
     Ok(())
 }
+
+#[test]
+fn a_same_size_edit_in_the_middle_with_its_mtime_put_back_is_seen_on_resume() -> Result<()> {
+    // 400 KB of ids: more than the 64 KiB at each end the size-and-ends checksum reads.
+    let (dir, corpus) = token_corpus("middle", 0);
+    drop(corpus);
+    let file = dir.join("train.bin");
+    let original: Vec<u8> = (0..200_000u32)
+        .flat_map(|i| ((i % 50_000) as u16).to_le_bytes())
+        .collect();
+    std::fs::write(&file, &original).unwrap();
+    let project = dir.join("project");
+    let (mut acc, mut loader) = token_run(&project, &file)?;
+    token_windows_take(&mut loader, 3)?;
+    let saved = acc.save_state(None)?;
+    drop((acc, loader));
+
+    // One id in the middle rewritten in place, and the modification time put back.
+    let mtime = std::fs::metadata(&file).unwrap().modified().unwrap();
+    let mut edited = original.clone();
+    edited[original.len() / 2] ^= 1;
+    std::fs::write(&file, &edited).unwrap();
+    let f = std::fs::File::options().write(true).open(&file).unwrap();
+    f.set_modified(mtime).unwrap();
+    drop(f);
+    assert_eq!(std::fs::metadata(&file).unwrap().modified().unwrap(), mtime);
+    let (mut acc, loader) = token_run(&project, &file)?;
+    let e = acc.load_state(Some(&saved)).unwrap_err();
+    let msg = e.to_string();
+    assert!(
+        msg.contains(&format!("the data file {} changed", file.display()))
+            && msg.contains("content hash"),
+        "{msg}"
+    );
+    assert_eq!(e.checkpoint_kind(), Some(ivme::CheckpointErrorKind::Unfit));
+    assert_eq!(loader.position().consumed, 0, "nothing was loaded");
+
+    // The original bytes back (a new write, so the cached hash is computed again): it resumes.
+    std::fs::write(&file, &original).unwrap();
+    let (mut acc, _loader) = token_run(&project, &file)?;
+    acc.load_state(Some(&saved))?;
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}

@@ -1,20 +1,28 @@
 //! Fingerprints of the files a data set reads, kept with each loader's position in a
 //! checkpoint, so a resume can tell that the data under it changed (a file appended to,
-//! truncated, rewritten or swapped) instead of reading shifted or other samples.
+//! truncated, rewritten, edited anywhere or swapped) instead of reading shifted or other samples.
+//!
+//! A fingerprint is the file's size, a CRC-32 of its ends, and an xxh3-64 hash of every byte.
+//! Hashing a whole corpus at every start would cost a read of it, so the hash is cached beside
+//! the file (`<file>.ivme-hash`), keyed by what changes cheaply whenever the file does: its size,
+//! modification and change times and inode. Putting the modification time back after an edit
+//! does not fool it: the change time (`ctime`) cannot be set back, so the hash is computed again.
+//! A folder that cannot take the cache keeps the hash in memory only.
 
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::fs::File;
-use std::os::unix::fs::FileExt;
-use std::path::Path;
+use std::hash::Hasher as _;
+use std::os::unix::fs::{FileExt, MetadataExt};
+use std::path::{Path, PathBuf};
 
 /// How many bytes at each end of a file the checksum covers: a checksum of the whole of a
 /// large corpus would read it all at every start.
 const ENDS: u64 = 64 << 10;
 
-/// One file of a data set: where it was, its size, and a CRC-32 of its first and last 64 KiB
-/// (the whole file when smaller). A size change or an edit near either end changes the
-/// fingerprint; an edit in the middle of a large file that keeps its size does not.
+/// One file of a data set: where it was, its size, a CRC-32 of its first and last 64 KiB (the
+/// whole file when smaller) and a hash of every byte. Any change to the file's bytes changes
+/// the fingerprint; a move does not.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
 pub struct DataFile {
     /// The path it was opened by.
@@ -23,6 +31,10 @@ pub struct DataFile {
     pub size: u64,
     /// CRC-32 of its first and last 64 KiB.
     pub crc: u32,
+    /// `xxh3:` and the xxh3-64 hash of every byte, in hex (absent in checkpoints written
+    /// before it existed, which compare size and ends only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub content: Option<String>,
 }
 
 impl DataFile {
@@ -34,7 +46,8 @@ impl DataFile {
                 e,
             )
         };
-        let size = file.metadata().map_err(io)?.len();
+        let meta = file.metadata().map_err(io)?;
+        let size = meta.len();
         let mut hasher = crc32fast::Hasher::new();
         let mut read = |from: u64, len: u64| -> Result<()> {
             let mut buf = vec![0u8; len as usize];
@@ -52,8 +65,79 @@ impl DataFile {
             path: path.display().to_string(),
             size,
             crc: hasher.finalize(),
+            content: Some(content_hash(path, file, &meta)?),
         })
     }
+}
+
+/// What the cached hash of a file was computed under: anything that changes when the file's
+/// bytes do (a write moves `ctime`, which no call can set back; a replaced file has another
+/// inode).
+#[derive(Debug, PartialEq, Eq)]
+struct Stamp([i64; 6]);
+
+impl Stamp {
+    fn of(meta: &std::fs::Metadata) -> Stamp {
+        Stamp([
+            meta.len() as i64,
+            meta.mtime(),
+            meta.mtime_nsec(),
+            meta.ctime(),
+            meta.ctime_nsec(),
+            meta.ino() as i64,
+        ])
+    }
+
+    fn line(&self) -> String {
+        self.0.map(|v| v.to_string()).join(" ")
+    }
+}
+
+/// Where the hash of `path` is cached.
+pub(crate) fn hash_cache_path(path: &Path) -> PathBuf {
+    let mut name = path.as_os_str().to_owned();
+    name.push(".ivme-hash");
+    PathBuf::from(name)
+}
+
+/// The xxh3-64 hash of every byte of `file` (`xxh3:` and 16 hex digits), from its cache when
+/// the cache was written under the file's current stamp, else read whole and cached.
+fn content_hash(path: &Path, file: &File, meta: &std::fs::Metadata) -> Result<String> {
+    let stamp = Stamp::of(meta);
+    let cache = hash_cache_path(path);
+    if let Ok(text) = std::fs::read_to_string(&cache) {
+        if let Some((line, hash)) = text.trim_end().split_once('\n') {
+            if line == stamp.line() && hash.starts_with("xxh3:") {
+                return Ok(hash.to_string());
+            }
+        }
+    }
+    let hash = hash_all(path, file, meta.len())?;
+    // Atomically (a temporary file renamed into place); a folder that cannot take it keeps
+    // the hash in memory only.
+    let mut tmp = cache.as_os_str().to_owned();
+    tmp.push(format!(".tmp-{}", std::process::id()));
+    let tmp = PathBuf::from(tmp);
+    let text = format!("{}\n{hash}\n", stamp.line());
+    if std::fs::write(&tmp, text).is_ok() && std::fs::rename(&tmp, &cache).is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    Ok(hash)
+}
+
+/// Reads `file` (`size` bytes) whole through the hash.
+fn hash_all(path: &Path, file: &File, size: u64) -> Result<String> {
+    let mut hasher = twox_hash::XxHash3_64::new();
+    let mut buf = vec![0u8; (4 << 20).min(size as usize).max(1)];
+    let mut at = 0u64;
+    while at < size {
+        let n = (size - at).min(buf.len() as u64) as usize;
+        file.read_exact_at(&mut buf[..n], at)
+            .map_err(|e| Error::io(format!("hashing the data file {}", path.display()), e))?;
+        hasher.write(&buf[..n]);
+        at += n as u64;
+    }
+    Ok(format!("xxh3:{:016x}", hasher.finish()))
 }
 
 /// Checks that the files a checkpoint's loader read (`saved`) are the files this loader reads
@@ -86,6 +170,14 @@ pub(crate) fn same_files(saved: &[DataFile], now: &[DataFile]) -> std::result::R
         } else if s.crc != n.crc {
             "its bytes differ from those the checkpoint was trained on (same size, other checksum)"
                 .to_string()
+        } else if let (Some(a), Some(b)) = (&s.content, &n.content) {
+            if a == b {
+                continue;
+            }
+            format!(
+                "its bytes differ from those the checkpoint was trained on (same size and ends, \
+                 content hash {b}, {a} when the checkpoint was taken)"
+            )
         } else {
             continue;
         };
@@ -138,5 +230,23 @@ mod tests {
         let e = same_files(&[a.clone(), a.clone()], &[a]).unwrap_err();
         assert!(e.contains("read 2 file(s)"), "{e}");
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_fingerprint_without_a_content_hash_compares_size_and_ends() {
+        // As checkpoints written before the content hash saved it.
+        let old: DataFile = serde_json::from_str(r#"{"path":"a.bin","size":10,"crc":7}"#).unwrap();
+        assert_eq!(old.content, None);
+        let now = DataFile {
+            content: Some("xxh3:0000000000000001".into()),
+            ..old.clone()
+        };
+        assert!(same_files(std::slice::from_ref(&old), std::slice::from_ref(&now)).is_ok());
+        let other = DataFile {
+            content: Some("xxh3:0000000000000002".into()),
+            ..old.clone()
+        };
+        let e = same_files(&[now], &[other]).unwrap_err();
+        assert!(e.contains("content hash xxh3:0000000000000002"), "{e}");
     }
 }
