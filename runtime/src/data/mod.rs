@@ -3,6 +3,7 @@
 
 mod dataset;
 mod files;
+mod json_lines;
 mod loader;
 mod loop_position;
 mod packed;
@@ -18,6 +19,7 @@ mod token_file;
 pub use dataset::{Dataset, TensorColumns, TensorDataset};
 pub(crate) use files::same_files;
 pub use files::DataFile;
+pub use json_lines::{JsonLines, Record};
 pub use loader::{Batches, DataLoader};
 #[doc(hidden)]
 pub use loop_position::{LoopCursor, LoopPosition};

@@ -25,8 +25,10 @@ struct Part {
     file: File,
     /// Where each line starts, then the file's size.
     starts: Vec<u64>,
-    /// Lines before this file's first one.
+    /// Samples before this file's first one.
     first: usize,
+    /// With blank lines skipped, the (0-based) numbers of the lines that are samples.
+    kept: Option<Vec<u64>>,
 }
 
 /// The lines of one or more text files (JSONL included) as samples: sample `i` is line `i`
@@ -81,6 +83,7 @@ impl TextLines {
                 file,
                 starts,
                 first: len,
+                kept: None,
             });
             len += lines;
         }
@@ -93,6 +96,75 @@ impl TextLines {
         name.push(".ivme-lines");
         PathBuf::from(name)
     }
+
+    /// The same lines without the blank ones (empty, or only spaces, tabs and a `\r`) when
+    /// `skip` is true: they are then never samples, and sample numbers count the others.
+    /// Off by default (every line but an empty last one is a sample); finding them reads
+    /// each file once more when they are skipped.
+    pub fn skip_blank_lines(mut self, skip: bool) -> Result<TextLines> {
+        let mut len = 0;
+        for part in &mut self.parts {
+            part.first = len;
+            part.kept = match skip {
+                true => Some(non_blank(&part.file, &part.path, &part.starts)?),
+                false => None,
+            };
+            len += part.kept.as_ref().map_or(part.starts.len() - 1, Vec::len);
+        }
+        self.len = len;
+        Ok(self)
+    }
+
+    /// Where sample `index` comes from: its file, its 1-based line in that file and the byte
+    /// offset its line starts at, so that a program's own error can name it.
+    pub fn origin(&self, index: usize) -> Result<(&Path, usize, u64)> {
+        let (part, line) = self.locate(index)?;
+        Ok((&part.path, line + 1, part.starts[line]))
+    }
+
+    /// The file and the 0-based line of sample `index`.
+    fn locate(&self, index: usize) -> Result<(&Part, usize)> {
+        if index >= self.len {
+            return Err(Error::Usage(format!(
+                "line {index} is past the end ({} lines)",
+                self.len
+            )));
+        }
+        let k = self.parts.partition_point(|p| p.first <= index) - 1;
+        let part = &self.parts[k];
+        let at = index - part.first;
+        let line = part.kept.as_ref().map_or(at, |kept| kept[at] as usize);
+        Ok((part, line))
+    }
+}
+
+/// The numbers of the lines of `file` (which start at `starts`) that hold more than blanks,
+/// read in one pass.
+fn non_blank(file: &File, path: &Path, starts: &[u64]) -> Result<Vec<u64>> {
+    let size = *starts.last().unwrap_or(&0);
+    let mut buf = vec![0u8; (1 << 20).min(size as usize).max(1)];
+    let (mut kept, mut line, mut at, mut filled) = (Vec::new(), 0usize, 0u64, false);
+    let lines = starts.len() - 1;
+    // Positioned reads: the file's own offset is shared with whoever read it before.
+    while at < size {
+        let n = (size - at).min(buf.len() as u64) as usize;
+        file.read_exact_at(&mut buf[..n], at)
+            .map_err(io_at("reading", path))?;
+        for &b in &buf[..n] {
+            while line < lines && at >= starts[line + 1] {
+                if filled {
+                    kept.push(line as u64);
+                }
+                (line, filled) = (line + 1, false);
+            }
+            filled |= !matches!(b, b' ' | b'\t' | b'\r' | b'\n');
+            at += 1;
+        }
+    }
+    if line < lines && filled {
+        kept.push(line as u64);
+    }
+    Ok(kept)
 }
 
 impl Dataset for TextLines {
@@ -111,15 +183,7 @@ impl Dataset for TextLines {
     }
 
     fn get(&self, index: usize) -> Result<String> {
-        if index >= self.len {
-            return Err(Error::Usage(format!(
-                "line {index} is past the end ({} lines)",
-                self.len
-            )));
-        }
-        let k = self.parts.partition_point(|p| p.first <= index) - 1;
-        let part = &self.parts[k];
-        let line = index - part.first;
+        let (part, line) = self.locate(index)?;
         let (start, end) = (part.starts[line], part.starts[line + 1]);
         let mut bytes = vec![0u8; (end - start) as usize];
         part.file
@@ -128,11 +192,12 @@ impl Dataset for TextLines {
         while matches!(bytes.last(), Some(b'\n' | b'\r')) {
             bytes.pop();
         }
-        String::from_utf8(bytes).map_err(|_| {
+        String::from_utf8(bytes).map_err(|e| {
             Error::Usage(format!(
-                "line {} of {} is not UTF-8 text",
+                "line {} of {} (byte {}) is not UTF-8 text: {e}",
                 line + 1,
-                part.path.display()
+                part.path.display(),
+                start
             ))
         })
     }
