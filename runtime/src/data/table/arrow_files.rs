@@ -265,7 +265,8 @@ fn decode_stream(
 /// The error for a file Arrow cannot read.
 fn damaged(path: &Path, e: ArrowError) -> Error {
     Error::Usage(format!(
-        "{} cannot be read as an Arrow IPC file: {e}",
-        path.display()
+        "{} cannot be read as an Arrow IPC file: {e}; {}",
+        path.display(),
+        super::what_it_is(path)
     ))
 }

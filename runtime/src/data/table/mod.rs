@@ -159,3 +159,51 @@ fn same_types(first: &Schema, first_path: &Path, now: &Schema, path: &Path) -> R
     }
     Ok(())
 }
+
+/// What a file that a table reader refused holds, judged by its first and last bytes, and
+/// which reader fits it: "it starts with 50 41 52 31 and ends with 50 41 52 31, as a Parquet
+/// file does: open it with ParquetFiles".
+pub(crate) fn what_it_is(path: &Path) -> String {
+    use std::os::unix::fs::FileExt;
+    let Ok(file) = std::fs::File::open(path) else {
+        return String::new();
+    };
+    let size = file.metadata().map_or(0, |m| m.len());
+    let mut head = vec![0u8; size.min(8) as usize];
+    let tail_len = size.min(4);
+    let mut tail = vec![0u8; tail_len as usize];
+    if file.read_exact_at(&mut head, 0).is_err()
+        || file.read_exact_at(&mut tail, size - tail_len).is_err()
+    {
+        return String::new();
+    }
+    let hex = |b: &[u8]| {
+        b.iter()
+            .map(|x| format!("{x:02x}"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    let read = format!(
+        "its {size} bytes start with {} and end with {}",
+        hex(&head),
+        hex(&tail)
+    );
+    let fits = if head.starts_with(b"PAR1") && tail == b"PAR1" {
+        "as a Parquet file's do (`PAR1` at both ends): open it with ParquetFiles"
+    } else if head.starts_with(b"ARROW1") {
+        "as an Arrow IPC file's do (`ARROW1`): open it with ArrowFiles"
+    } else if head.starts_with(&[0xff; 4]) {
+        "as an Arrow IPC stream's do (ff ff ff ff): open it with ArrowFiles"
+    } else if head.len() >= 4 && head[..4] == 20240520i32.to_le_bytes() {
+        "as an llm.c token file's do (magic 20240520): open it with TokenFile"
+    } else if !head.is_empty()
+        && head
+            .iter()
+            .all(|b| b.is_ascii_graphic() || b.is_ascii_whitespace())
+    {
+        "as text does: open it with TextLines or JsonLines"
+    } else {
+        "where a Parquet file has `PAR1` at both ends and an Arrow IPC file starts with `ARROW1` (a stream with ff ff ff ff)"
+    };
+    format!("{read}, {fits}")
+}

@@ -86,8 +86,9 @@ impl ParquetFiles {
             let meta = guarded(|| ArrowReaderMetadata::load(&file, ArrowReaderOptions::new()))
                 .map_err(|e| {
                     Error::Usage(format!(
-                        "{} cannot be read as a Parquet file: {e}",
-                        path.display()
+                        "{} cannot be read as a Parquet file: {e}; {}",
+                        path.display(),
+                        super::what_it_is(&path)
                     ))
                 })?;
             let schema = meta.schema().clone();

@@ -473,6 +473,43 @@ mod parquet_tests {
     }
 }
 
+/// A file opened with the wrong reader says what its first and last bytes are and which
+/// reader fits it.
+#[cfg(all(feature = "parquet", feature = "arrow"))]
+#[test]
+fn a_file_opened_with_the_wrong_reader_says_what_it_is_and_which_reader_fits() {
+    use parquet::basic::Compression;
+    let dir = scratch("wrong-reader");
+    let (pq, ipc, csv) = (
+        dir.join("a.parquet"),
+        dir.join("a.arrow"),
+        dir.join("a.csv"),
+    );
+    parquet_tests::write(&pq, &batches(0, 10, 5), Compression::SNAPPY, 5);
+    arrow::write_file(&ipc, &batches(0, 10, 5));
+    std::fs::write(&csv, "id,text\n1,one\n").unwrap();
+    let err = ArrowFiles::open(&[&pq], &["id"]).unwrap_err().to_string();
+    assert!(
+        err.contains("start with 50 41 52 31") && err.contains("open it with ParquetFiles"),
+        "{err}"
+    );
+    let err = ParquetFiles::open(&[&ipc], &["id"])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("start with 41 52 52 4f 57 31") && err.contains("open it with ArrowFiles"),
+        "{err}"
+    );
+    let err = ParquetFiles::open(&[&csv], &["id"])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("its 14 bytes start with 69 64 2c 74") && err.contains("TextLines"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn row_accessors_name_the_row_and_the_column() {
     let names: Arc<[String]> = vec!["ids".to_string(), "label".to_string()].into();
