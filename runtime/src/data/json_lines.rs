@@ -111,7 +111,7 @@ impl<T: DeserializeOwned> JsonLines<T> {
     }
 }
 
-impl<T: DeserializeOwned + Clone + Send + Sync> Dataset for JsonLines<T> {
+impl<T: DeserializeOwned + Send + Sync> Dataset for JsonLines<T> {
     type Item = Record<T>;
     type Batch = Vec<Record<T>>;
 
