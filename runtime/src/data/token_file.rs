@@ -282,36 +282,63 @@ impl Dataset for TokenFile {
         next_token_batch(&items, self.seq_len, device)
     }
 
-    /// Reads each window into one reused buffer and decodes it straight into the inputs and
-    /// targets: no vector per window.
+    /// Reads the batch's windows, one read for each run of consecutive windows that lie next
+    /// to or over each other in one file (a whole batch, read in order), into one reused
+    /// buffer, and decodes them straight into the inputs and targets: no vector per window.
     fn get_batch(&self, indices: &[usize], device: &Device) -> Result<(Tensor, Tensor)> {
-        let (b, t) = (indices.len(), self.seq_len);
+        let (b, t, stride) = (indices.len(), self.seq_len, self.stride);
         let mut inputs = Vec::with_capacity(b * t);
         let mut targets = Vec::with_capacity(b * t);
-        let mut bytes = Vec::new();
-        for &index in indices {
-            let (p, at) = self.place(index)?;
+        let (mut bytes, mut ids) = (Vec::new(), Vec::new());
+        let mut k = 0;
+        while k < b {
+            let (p, at) = self.place(indices[k])?;
+            // The run: windows index, index + 1, ... of the same file, read as one span when
+            // no gap lies between them.
+            let mut n = 1;
+            while stride <= t + 1
+                && k + n < b
+                && indices[k + n] == indices[k] + n
+                && self
+                    .place(indices[k + n])
+                    .is_ok_and(|(q, _)| std::ptr::eq(p, q))
+            {
+                n += 1;
+            }
             let w = p.width.bytes() as usize;
-            bytes.resize((t + 1) * w, 0);
+            bytes.resize(((n - 1) * stride + t + 1) * w, 0);
             p.file
                 .read_exact_at(&mut bytes, at)
                 .map_err(|e| Error::io(format!("reading tokens from {}", p.path.display()), e))?;
-            let from = inputs.len();
-            match p.width {
-                TokenWidth::U16 => inputs.extend(
+            let decode = |bytes: &[u8], into: &mut Vec<u32>| match p.width {
+                TokenWidth::U16 => into.extend(
                     bytes
                         .chunks_exact(2)
                         .map(|b| u16::from_le_bytes([b[0], b[1]]) as u32),
                 ),
-                TokenWidth::U32 => inputs.extend(
+                TokenWidth::U32 => into.extend(
                     bytes
                         .chunks_exact(4)
                         .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])),
                 ),
+            };
+            if stride == t {
+                // Windows that tile the span: the inputs are its first n * t ids, the targets
+                // the same shifted by one, each decoded straight from the bytes.
+                decode(&bytes[..n * t * w], &mut inputs);
+                decode(&bytes[w..], &mut targets);
+            } else {
+                // Window j's t + 1 ids start at j * stride: the first t are inputs, the last t
+                // the targets.
+                ids.clear();
+                decode(&bytes, &mut ids);
+                for j in 0..n {
+                    let from = j * stride;
+                    inputs.extend_from_slice(&ids[from..from + t]);
+                    targets.extend_from_slice(&ids[from + 1..from + t + 1]);
+                }
             }
-            // The window's t + 1 ids: the first t are inputs, the last t the targets.
-            targets.extend_from_slice(&inputs[from + 1..]);
-            inputs.truncate(from + t);
+            k += n;
         }
         Ok((
             Tensor::from_vec(inputs, (b, t), device)?,
@@ -458,5 +485,37 @@ mod tests {
         let e = TokenFile::open(&[d.join("missing.bin")], None, 1).unwrap_err();
         assert!(e.to_string().contains("missing.bin"), "{e}");
         let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn a_batch_read_as_runs_equals_its_windows_read_one_by_one() -> Result<()> {
+        let d = scratch("runs");
+        raw_u16(&d.join("a.bin"), 0..1000u16);
+        raw_u16(&d.join("b.bin"), 5000..5333u16);
+        let paths = [d.join("a.bin"), d.join("b.bin")];
+        for stride in [8, 5, 9, 20] {
+            let corpus = TokenFile::open(&paths, Some(TokenWidth::U16), 8)?.with_stride(stride)?;
+            let n = corpus.len();
+            // In order across the two files' boundary, a run cut by a gap, and shuffled.
+            let orders: [Vec<usize>; 3] = [
+                (0..n).collect(),
+                vec![3, 4, 5, 9, 10, n - 2, n - 1, 0],
+                (0..n).map(|i| (i * 7919) % n).collect(),
+            ];
+            for order in orders {
+                let (x, y) = corpus.get_batch(&order, &Device::Cpu)?;
+                let (x, y) = (x.to_vec2::<u32>()?, y.to_vec2::<u32>()?);
+                for (row, &i) in order.iter().enumerate() {
+                    let w = corpus.window(i)?;
+                    assert_eq!(
+                        (&x[row][..], &y[row][..]),
+                        (&w[..8], &w[1..]),
+                        "stride {stride}"
+                    );
+                }
+            }
+        }
+        let _ = std::fs::remove_dir_all(&d);
+        Ok(())
     }
 }
