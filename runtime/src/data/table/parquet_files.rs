@@ -14,13 +14,13 @@ use parquet::arrow::arrow_reader::{
 use parquet::arrow::ProjectionMask;
 use parquet::file::reader::{ChunkReader, Length};
 use parquet::file::serialized_reader::SerializedPageReader;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::io::Read;
 use std::os::unix::fs::FileExt;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// One file: its footer, the columns to read, where its row groups start.
 #[derive(Debug)]
@@ -59,6 +59,18 @@ pub struct ParquetFiles {
     parts: Vec<Part>,
     offsets: Offsets,
     columns: Columns,
+    /// Row groups decoded whole and kept for later batches, when they all fit its budget.
+    cache: Mutex<GroupCache>,
+}
+
+/// The default budget of the decoded row groups a [`ParquetFiles`] keeps.
+const CACHE_BYTES: u64 = 1 << 30;
+
+/// Row groups decoded whole (the chosen columns), by (file, group).
+#[derive(Debug, Default)]
+struct GroupCache {
+    on: bool,
+    groups: HashMap<(usize, usize), Arc<Vec<RecordBatch>>>,
 }
 
 impl ParquetFiles {
@@ -118,11 +130,34 @@ impl ParquetFiles {
                 groups,
             });
         }
-        Ok(ParquetFiles {
+        let mut files = ParquetFiles {
             parts,
             offsets,
             columns,
-        })
+            cache: Mutex::new(GroupCache::default()),
+        };
+        files = files.cache_bytes(CACHE_BYTES);
+        Ok(files)
+    }
+
+    /// Keeps every row group a batch decodes, decoded, for the batches after it, when the
+    /// files' row groups together (uncompressed, as their footers give it) fit in `bytes`;
+    /// off otherwise, or with 0. On by default up to 1 GiB: a shuffled epoch then decodes each
+    /// row group once instead of once per batch that touches it. The samples, their order and
+    /// the resume do not change.
+    pub fn cache_bytes(self, bytes: u64) -> ParquetFiles {
+        let total: i64 = self
+            .parts
+            .iter()
+            .flat_map(|p| p.meta.metadata().row_groups())
+            .map(|g| g.total_byte_size().max(0))
+            .sum();
+        let on = bytes > 0 && (total as u64) <= bytes;
+        *self.cache.lock().unwrap_or_else(|e| e.into_inner()) = GroupCache {
+            on,
+            groups: HashMap::new(),
+        };
+        self
     }
 
     /// Returns the chosen column names.
@@ -130,28 +165,81 @@ impl ParquetFiles {
         self.columns.names()
     }
 
-    /// Reads rows `rows` (ascending, distinct) of row group `g` of file `k`.
+    /// Reads rows `rows` (ascending, distinct) of row group `g` of file `k`: from the cache of
+    /// decoded groups when it is on (decoding the whole group on its first use), else only
+    /// the pages those rows need.
     fn read_group(&self, k: usize, g: usize, rows: &[usize]) -> Result<Vec<Row>> {
+        let on = self.cache.lock().unwrap_or_else(|e| e.into_inner()).on;
+        if !on {
+            return self.read_rows(k, g, rows);
+        }
+        let cached = {
+            let cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+            cache.groups.get(&(k, g)).cloned()
+        };
+        let batches = match cached {
+            Some(b) => b,
+            None => {
+                let part = &self.parts[k];
+                let in_group = part.groups.firsts[g + 1] - part.groups.firsts[g];
+                let all: Vec<usize> = (0..in_group).collect();
+                let b = Arc::new(self.decode(k, g, &all)?);
+                let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+                cache.groups.insert((k, g), b.clone());
+                b
+            }
+        };
         let part = &self.parts[k];
         let first = part.groups.firsts[g];
-        let in_group = part.groups.firsts[g + 1] - first;
-        let fail = |e: String| {
-            if e.contains("CRC checksum mismatch") {
-                return Error::Usage(format!(
-                    "{}: row group {g}, {}: the page does not match its CRC-32 checksum, so \
-                     the file is damaged (nothing of this batch was used); re-download or \
-                     re-write the file",
-                    part.path.display(),
-                    self.damaged_page(k, g)
-                        .unwrap_or_else(|| "a column's data page".to_string())
-                ));
+        // The group's batches hold its rows in order: row r is at (batch, place) by counting.
+        let mut out = Vec::with_capacity(rows.len());
+        let (mut b, mut base) = (0, 0);
+        for &r in rows {
+            while b < batches.len() && r >= base + batches[b].num_rows() {
+                base += batches[b].num_rows();
+                b += 1;
             }
-            Error::Usage(format!(
-                "row group {g} of {} cannot be read: {e}",
-                part.path.display()
-            ))
-        };
-        let batches: Vec<RecordBatch> = guarded(|| {
+            let Some(batch) = batches.get(b) else {
+                return Err(Error::Usage(format!(
+                    "row group {g} of {} has no row {r}",
+                    part.path.display()
+                )));
+            };
+            out.push(
+                self.columns
+                    .row_of(batch, r - base, &part.name, first + r)?,
+            );
+        }
+        Ok(out)
+    }
+
+    /// Reads rows `rows` (ascending, distinct) of row group `g` of file `k`, only the pages
+    /// they need.
+    fn read_rows(&self, k: usize, g: usize, rows: &[usize]) -> Result<Vec<Row>> {
+        let part = &self.parts[k];
+        let first = part.groups.firsts[g];
+        let batches = self.decode(k, g, rows)?;
+        let mut out = Vec::with_capacity(rows.len());
+        let mut next = rows.iter();
+        for batch in &batches {
+            for at in 0..batch.num_rows() {
+                let Some(&r) = next.next() else { break };
+                out.push(self.columns.row_of(batch, at, &part.name, first + r)?);
+            }
+        }
+        if out.len() != rows.len() {
+            let e = format!("it gave {} of the {} rows asked for", out.len(), rows.len());
+            return Err(self.read_error(k, g, e));
+        }
+        Ok(out)
+    }
+
+    /// Decodes rows `rows` (ascending, distinct) of row group `g` of file `k`: the chosen
+    /// columns, only the pages those rows need.
+    fn decode(&self, k: usize, g: usize, rows: &[usize]) -> Result<Vec<RecordBatch>> {
+        let part = &self.parts[k];
+        let in_group = part.groups.firsts[g + 1] - part.groups.firsts[g];
+        guarded(|| {
             let selection =
                 RowSelection::from_consecutive_ranges(rows.iter().map(|&r| r..r + 1), in_group);
             let reader = ParquetRecordBatchReaderBuilder::new_with_metadata(
@@ -167,23 +255,23 @@ impl ParquetFiles {
                 .collect::<std::result::Result<Vec<_>, _>>()
                 .map_err(parquet::errors::ParquetError::from)
         })
-        .map_err(fail)?;
-        let mut out = Vec::with_capacity(rows.len());
-        let mut next = rows.iter();
-        for batch in &batches {
-            for at in 0..batch.num_rows() {
-                let Some(&r) = next.next() else { break };
-                out.push(self.columns.row_of(batch, at, &part.name, first + r)?);
-            }
+        .map_err(|e| self.read_error(k, g, e))
+    }
+
+    /// The error of a read of row group `g` of file `k` that failed with `e`: a page that
+    /// fails its checksum is named.
+    fn read_error(&self, k: usize, g: usize, e: String) -> Error {
+        let path = self.parts[k].path.display();
+        if e.contains("CRC checksum mismatch") {
+            return Error::Usage(format!(
+                "{path}: row group {g}, {}: the page does not match its CRC-32 checksum, so the \
+                 file is damaged (nothing of this batch was used); re-download or re-write the \
+                 file",
+                self.damaged_page(k, g)
+                    .unwrap_or_else(|| "a column's data page".to_string())
+            ));
         }
-        if out.len() != rows.len() {
-            return Err(fail(format!(
-                "it gave {} of the {} rows asked for",
-                out.len(),
-                rows.len()
-            )));
-        }
-        Ok(out)
+        Error::Usage(format!("row group {g} of {path} cannot be read: {e}"))
     }
 
     /// Which chosen column's page of row group `g` of file `k` fails its checksum, read page
