@@ -128,6 +128,12 @@ fn one(mode: &str, dir: &Path) -> ivme::Result<()> {
                 .workers(2),
             tokens_of,
         )?,
+        "tokens-in-order-prefetch" => drain(
+            DataLoader::new(open_tokens()?, BATCH)
+                .prefetch(4)
+                .workers(2),
+            tokens_of,
+        )?,
         "arrow-shuffled" => {
             let rows = ArrowFiles::open(&[dir.join("corpus.arrow")], &["ids"])?;
             drain(DataLoader::new(rows, BATCH).shuffle(true), row_tokens)?
@@ -163,6 +169,7 @@ fn main() -> ivme::Result<()> {
         "tokens",
         "tokens-shuffled",
         "tokens-prefetch",
+        "tokens-in-order-prefetch",
         "arrow-shuffled",
         "parquet",
         "parquet-shuffled",
