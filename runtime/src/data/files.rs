@@ -38,8 +38,9 @@ pub struct DataFile {
 }
 
 impl DataFile {
-    /// Fingerprints the open `file` found at `path`.
-    pub fn of(path: &Path, file: &File) -> Result<DataFile> {
+    /// The cheap part of a fingerprint of the open `file` found at `path`: its size and the
+    /// CRC-32 of its first and last 64 KiB, without the content hash (which reads it whole).
+    pub(crate) fn ends(path: &Path, file: &File) -> Result<DataFile> {
         let io = |e| {
             Error::io(
                 format!("fingerprinting the data file {}", path.display()),
@@ -65,7 +66,23 @@ impl DataFile {
             path: path.display().to_string(),
             size,
             crc: hasher.finalize(),
+            content: None,
+        })
+    }
+
+    /// Fingerprints the open `file` found at `path`: its size, the CRC-32 of its ends and the
+    /// hash of every byte (from the cache beside it when that still describes the file).
+    pub fn of(path: &Path, file: &File) -> Result<DataFile> {
+        let ends = DataFile::ends(path, file)?;
+        let meta = file.metadata().map_err(|e| {
+            Error::io(
+                format!("fingerprinting the data file {}", path.display()),
+                e,
+            )
+        })?;
+        Ok(DataFile {
             content: Some(content_hash(path, file, &meta)?),
+            ..ends
         })
     }
 }

@@ -226,7 +226,7 @@ fn stamp(file: &File, path: &Path) -> Result<Stamp> {
         .ok()
         .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
         .map_or(0, |d| d.as_nanos());
-    let ends = DataFile::of(path, file)?;
+    let ends = DataFile::ends(path, file)?;
     Ok(Stamp {
         size: ends.size,
         mtime,
