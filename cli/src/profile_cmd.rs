@@ -45,6 +45,7 @@ fn colour(kind: SpanKind) -> RGBColor {
         SpanKind::Collective => RGBColor(213, 94, 0),
         SpanKind::Optimizer => RGBColor(204, 121, 167),
         SpanKind::Checkpoint => RGBColor(86, 180, 233),
+        SpanKind::Recompute => RGBColor(0, 60, 110),
     }
 }
 
@@ -232,6 +233,7 @@ fn draw(
         SpanKind::Collective,
         SpanKind::Optimizer,
         SpanKind::Checkpoint,
+        SpanKind::Recompute,
     ] {
         chart
             .draw_series(std::iter::empty::<Rectangle<(f64, f64)>>())

@@ -3,7 +3,7 @@
 //! rates) to `out/rank{R}.json` so a test can compare it with plain candle.
 //!
 //! Arguments are `key=value`: `opt=sgd|adamw steps=K batch=B n=N accum=A precision=no|fp16|bf16
-//! cpu=0|1 lr=F momentum=F clip_norm=F clip_value=F sharding=no|optimizer|gradients shuffle=0|1 sched=none|step|warmup dropout=P project=DIR save_at=K save_every=K resume=1 resume_any=1 step_ms=MS resave=DIR model_in=FILE model_out=DIR async=0|1 break=rng|loader|scheduler|optimizer loss_scale=F init_scale=F inject_inf_at=I out=DIR`.
+//! cpu=0|1 lr=F momentum=F clip_norm=F clip_value=F sharding=no|optimizer|gradients shuffle=0|1 sched=none|step|warmup dropout=P project=DIR save_at=K save_every=K resume=1 resume_any=1 step_ms=MS resave=DIR model_in=FILE model_out=DIR async=0|1 ckpt=0|1 break=rng|loader|scheduler|optimizer loss_scale=F init_scale=F inject_inf_at=I out=DIR`.
 //! `steps` counts micro-steps in all (a resumed run trains only the rest; none when the loaded
 //! state is already there); `resave` saves the state again right after the load; `model_out`
 //! saves the model (`save_model`) at the end; `model_in` loads one (`load_model`) after prepare.
@@ -42,12 +42,19 @@ impl Mlp {
 }
 
 impl Module for Mlp {
+    // Each layer is a checkpointed segment: recomputed in backward under `ckpt=1`, run
+    // directly otherwise.
     fn forward(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
-        let mut h = self.a.forward(xs)?.tanh()?;
-        if let Some((p, rng)) = &self.dropout {
-            h = rng.lock().dropout(&h, *p)?;
-        }
-        self.b.forward(&h)
+        let (a, dropout) = (self.a.clone(), self.dropout.clone());
+        let h = ivme::activations::checkpoint(xs, move |x| {
+            let mut h = a.forward(x)?.tanh()?;
+            if let Some((p, rng)) = &dropout {
+                h = rng.lock().dropout(&h, *p)?;
+            }
+            Ok(h)
+        })?;
+        let b = self.b.clone();
+        ivme::activations::checkpoint(&h, move |h| b.forward(h))
     }
 }
 
@@ -143,6 +150,9 @@ fn main() -> ivme::Result<()> {
     }
     if args.get("async", 0u8) == 1 {
         builder = builder.async_checkpoints(true);
+    }
+    if args.get("ckpt", 0u8) == 1 {
+        builder = builder.activation_checkpointing(true);
     }
     let mut acc = builder.build()?;
     let dev = acc.device().clone();

@@ -41,6 +41,7 @@ macro_rules! warn_user {
 }
 
 pub mod accelerator;
+pub mod activations;
 pub mod checkpoint;
 pub mod comm;
 pub mod data;

@@ -79,7 +79,7 @@ impl Rng {
     ) -> Result<Tensor> {
         let shape = shape.into();
         let mut out = vec![0f32; shape.elem_count()];
-        self.fill_normal(&mut out, mean, std);
+        self.replayable(|rng| rng.fill_normal(&mut out, mean, std))?;
         Ok(Tensor::from_vec(out, shape, device)?)
     }
 
@@ -98,8 +98,24 @@ impl Rng {
         }
         let shape = shape.into();
         let mut out = vec![0f32; shape.elem_count()];
-        self.fill_uniform(&mut out, lo, hi);
+        self.replayable(|rng| rng.fill_uniform(&mut out, lo, hi))?;
         Ok(Tensor::from_vec(out, shape, device)?)
+    }
+
+    /// Runs `draw` on this generator, or, while a checkpointed segment is recomputed, on a
+    /// copy at the state this generator had when the segment's forward drew
+    /// ([`crate::activations`]): the recompute draws what the forward drew, and this
+    /// generator does not advance a second time.
+    fn replayable<T>(&mut self, draw: impl FnOnce(&mut Rng) -> T) -> Result<T> {
+        match crate::activations::draw_from(self.state()) {
+            Ok(None) => Ok(draw(self)),
+            Ok(Some(state)) => Ok(draw(&mut Rng::from_state(state))),
+            Err(()) => Err(Error::Usage(
+                "activation checkpointing: a segment's recompute drew from an ivme Rng more \
+                 often than its forward did; make the segment draw the same each time it runs"
+                    .into(),
+            )),
+        }
     }
 
     /// Fills `out` with normal samples (Box–Muller, a pair per two values) of `mean` and `std`.
@@ -133,15 +149,18 @@ impl Rng {
         if p == 0.0 {
             return Ok(xs.clone());
         }
-        let keep: Vec<f32> = (0..xs.elem_count())
-            .map(|_| {
-                if self.next_f32() >= p {
-                    1.0 / (1.0 - p)
-                } else {
-                    0.0
-                }
-            })
-            .collect();
+        let n = xs.elem_count();
+        let keep: Vec<f32> = self.replayable(|rng| {
+            (0..n)
+                .map(|_| {
+                    if rng.next_f32() >= p {
+                        1.0 / (1.0 - p)
+                    } else {
+                        0.0
+                    }
+                })
+                .collect()
+        })?;
         let mask = Tensor::from_vec(keep, xs.shape(), &Device::Cpu)?
             .to_dtype(xs.dtype())?
             .to_device(xs.device())?;

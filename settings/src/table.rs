@@ -157,6 +157,12 @@ table! {
         attribute: Some("overlap"), example: "true", launch: Some("overlap"),
         var: var(vars::OVERLAP),
     }
+    /// Whether checkpointed segments drop their activations and run again in `backward`.
+    ActivationCheckpointing ACTIVATION_CHECKPOINTING {
+        name: "activation_checkpointing", ty: "bool", default: "false",
+        builder: Some("activation_checkpointing"), attribute: Some("activation_checkpointing"),
+        example: "true", var: var(vars::ACTIVATION_CHECKPOINTING),
+    }
     /// The size of the buffers gradients are flattened into for averaging, in MiB.
     BucketSizeMb BUCKET_SIZE_MB {
         name: "bucket_size_mb", ty: "usize", default: "25", bound: Bound::AtLeastOne,

@@ -225,6 +225,13 @@ pub const OVERLAP: Var = Var {
     values: "1 or 0 (also true/false)",
     meaning: "step the optimizer inside `backward`, each bucket's part while later buckets are still being averaged (`--overlap`, `overlap = true`; docs/performance.md)",
 };
+/// Activation checkpointing.
+pub const ACTIVATION_CHECKPOINTING: Var = Var {
+    name: "IVME_ACTIVATION_CHECKPOINTING",
+    set_by: SetBy::User,
+    values: "1 or 0 (also true/false)",
+    meaning: "drop each checkpointed segment's activations after its forward and run it again in `backward` (`activation_checkpointing = true`; docs/sharding.md)",
+};
 /// The model's FLOPs per sample, for a profile's FLOP rate.
 pub const FLOPS_PER_SAMPLE: Var = Var {
     name: "IVME_FLOPS_PER_SAMPLE",
@@ -275,6 +282,7 @@ pub const VARS: &[Var] = &[
     STEP_TIMES,
     PROFILE,
     OVERLAP,
+    ACTIVATION_CHECKPOINTING,
     FLOPS_PER_SAMPLE,
     PEAK_FLOPS,
     FUSED_OPTIMIZER,

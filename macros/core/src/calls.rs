@@ -104,6 +104,10 @@ impl Config {
         if let Some(s) = &self.overlap {
             call(&table::OVERLAP, s.span, boolean(s.value, s.span));
         }
+        if let Some(s) = &self.activation_checkpointing {
+            let on = boolean(s.value, s.span);
+            call(&table::ACTIVATION_CHECKPOINTING, s.span, on);
+        }
         if let Some(s) = &self.async_checkpoints {
             call(&table::ASYNC_CHECKPOINTS, s.span, boolean(s.value, s.span));
         }

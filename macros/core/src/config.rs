@@ -54,6 +54,7 @@ pub(crate) struct Config {
     pub profile: Option<Setting<String>>,
     pub flops_per_sample: Option<Setting<f64>>,
     pub overlap: Option<Setting<bool>>,
+    pub activation_checkpointing: Option<Setting<bool>>,
     /// The key names as written, for errors about the attribute as a whole.
     pub keys: Vec<syn::Path>,
 }
@@ -184,6 +185,9 @@ fn take(config: &mut Config, row: &table::Setting, value: &syn::Expr) -> syn::Re
         }
         Id::DebugSync => boolean(key, value).map(|v| config.debug_sync = setting(v, span)),
         Id::Overlap => boolean(key, value).map(|v| config.overlap = setting(v, span)),
+        Id::ActivationCheckpointing => {
+            boolean(key, value).map(|v| config.activation_checkpointing = setting(v, span))
+        }
         Id::AsyncCheckpoints => {
             boolean(key, value).map(|v| config.async_checkpoints = setting(v, span))
         }
@@ -339,6 +343,26 @@ mod tests {
         );
         let errs = errors_of(quote!(profile_dir = "p"));
         assert!(errs[0].contains("did you mean `profile`?"), "{errs:?}");
+    }
+
+    #[test]
+    fn activation_checkpointing_is_a_boolean_that_becomes_its_builder_call() {
+        let c = parse(quote!(activation_checkpointing = true)).unwrap();
+        let calls = c.builder_calls().to_string();
+        assert!(
+            calls.contains(". activation_checkpointing (true)"),
+            "{calls}"
+        );
+        let errs = errors_of(quote!(activation_checkpointing = "yes"));
+        assert!(
+            errs[0].contains("`activation_checkpointing` takes `true` or `false`"),
+            "{errs:?}"
+        );
+        let errs = errors_of(quote!(activation_checkpoint = true));
+        assert!(
+            errs[0].contains("did you mean `activation_checkpointing`?"),
+            "{errs:?}"
+        );
     }
 
     #[test]

@@ -13,7 +13,7 @@ use crate::train::sync::{self, MicroBatch};
 use crate::train::window::MicroStep;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 impl Accelerator {
     /// Reports that batch `index` of `batches_in_epoch` is next, for hand-made data sources:
@@ -38,7 +38,7 @@ impl Accelerator {
         let started = Instant::now();
         let loss_scale = self.mixed.loss_scale();
         // Each micro-batch counts 1/window of its window's mean; the scale is undone after sync.
-        let store = self.scaled_backward(loss, loss_scale / window as f64)?;
+        let (store, recomputed) = self.scaled_backward(loss, loss_scale / window as f64)?;
         self.warn_unreached(&store);
         let micro = MicroBatch {
             store,
@@ -46,6 +46,7 @@ impl Accelerator {
             loss_scale,
             scaled: self.mixed.scales_loss(),
             started,
+            recomputed,
         };
         let taken = sync::take(&mut self.training, &self.sync, &self.comm, micro)?;
         if let Some(began) = taken.sync_began {
@@ -73,8 +74,10 @@ impl Accelerator {
     }
 
     /// Runs candle's backward on `loss` in f32, multiplied by `factor` (the fp16 scale over
-    /// the window's size), after the loss guard has seen it.
-    fn scaled_backward(&mut self, loss: &Tensor, factor: f64) -> Result<GradStore> {
+    /// the window's size), after the loss guard has seen it; through the checkpointed
+    /// segments when activation checkpointing is on. Returns the gradients and the time the
+    /// segments took to run again.
+    fn scaled_backward(&mut self, loss: &Tensor, factor: f64) -> Result<(GradStore, Duration)> {
         let loss = if loss.dtype() == DType::F32 {
             loss.clone()
         } else {
@@ -86,7 +89,7 @@ impl Accelerator {
         } else {
             (loss * factor)?
         };
-        Ok(loss.backward()?)
+        self.backward_through_segments(&loss)
     }
 
     /// Clips synced gradients to a global `norm_type` norm of at most `max_norm` and returns

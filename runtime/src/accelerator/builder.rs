@@ -29,6 +29,7 @@ pub struct AcceleratorBuilder {
     seed: Option<u64>,
     bucket_mb: Option<usize>,
     overlap: Option<bool>,
+    activation_checkpointing: Option<bool>,
     initial_loss_scale: Option<f64>,
     project_dir: Option<std::path::PathBuf>,
     total_limit: Option<usize>,
@@ -209,6 +210,17 @@ impl AcceleratorBuilder {
         self
     }
 
+    /// Drops the activations of each checkpointed segment once it has run and runs it again
+    /// during `backward` (also `activation_checkpointing = true`,
+    /// `IVME_ACTIVATION_CHECKPOINTING=1`): the forward keeps only the segments' inputs, for one
+    /// more forward of each segment. Mark segments with
+    /// [`activations::checkpoint`](crate::activations::checkpoint); ivme's models
+    /// ([`crate::models`]) mark their blocks. On for the thread that builds the Accelerator.
+    pub fn activation_checkpointing(mut self, on: bool) -> Self {
+        self.activation_checkpointing = Some(on);
+        self
+    }
+
     /// Resolves the settings, joins the distributed run and builds the Accelerator.
     pub fn build(self) -> Result<Accelerator> {
         let mut warnings = Vec::new();
@@ -270,6 +282,7 @@ impl AcceleratorBuilder {
             preempt: Default::default(),
             step_times_every,
             profiling,
+            segments: step.checkpointing.then(crate::activations::Segments::start),
         })
     }
 
@@ -289,6 +302,9 @@ impl AcceleratorBuilder {
         take(w);
         let (overlap, w) = resolve_with(&table::OVERLAP, self.overlap, switch(&table::OVERLAP))?;
         take(w);
+        let row = &table::ACTIVATION_CHECKPOINTING;
+        let (checkpointing, w) = resolve_with(row, self.activation_checkpointing, switch(row))?;
+        take(w);
         let step = StepSettings {
             grad_accum,
             precision,
@@ -296,6 +312,7 @@ impl AcceleratorBuilder {
             buffers,
             cpu,
             overlap,
+            checkpointing,
         };
         self.check_step(&step)?;
         Ok(step)
@@ -400,6 +417,7 @@ struct StepSettings {
     buffers: crate::setup::config::BufferSync,
     cpu: bool,
     overlap: bool,
+    checkpointing: bool,
 }
 
 /// Every how many optimizer steps the step-time report is printed (`IVME_STEP_TIMES`; 0 or

@@ -19,6 +19,7 @@ use candle_nn::VarMap;
 use std::fmt::Display;
 use std::sync::Arc;
 
+mod activations;
 mod background;
 mod backward;
 mod buffers;
@@ -73,6 +74,8 @@ pub struct Accelerator {
     step_times_every: Option<u64>,
     /// The run's profile, when profiling (profile.rs).
     profiling: Option<profile::Profiling>,
+    /// Activation checkpointing, when on: the thread's segments are recorded and recomputed.
+    segments: Option<crate::activations::Segments>,
 }
 
 impl std::fmt::Debug for Accelerator {

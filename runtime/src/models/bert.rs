@@ -307,7 +307,12 @@ impl Bert {
             ..Attention::default()
         };
         for block in &self.blocks {
-            h = block.forward(&h, &attention)?;
+            h = if crate::activations::is_recording() {
+                let (block, attention) = (block.clone(), attention.clone());
+                crate::activations::checkpoint(&h, move |x| block.forward(x, &attention))?
+            } else {
+                block.forward(&h, &attention)?
+            };
         }
         Ok(h)
     }

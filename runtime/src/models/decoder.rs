@@ -46,8 +46,8 @@ pub trait Block {
 
 /// A causal language model as the parts a forward pass walks: embedding, blocks, head.
 pub trait CausalLm {
-    /// The model's block.
-    type Block: Block;
+    /// The model's block (cloned into a checkpointed segment: its weights are shared).
+    type Block: Block + Clone + 'static;
 
     /// The first block's input `(b, t, hidden)` for `input_ids` `(b, t)`.
     fn embed(&self, input_ids: &Tensor) -> Result<Tensor>;
@@ -72,10 +72,23 @@ pub trait CausalLm {
         let mut h = self.embed(input_ids)?;
         let ctx = self.context(h.dim(1)?, h.dtype(), attention_mask)?;
         for block in self.blocks() {
-            h = block.forward(&h, &ctx)?;
+            h = run_block(block, &h, &ctx)?;
         }
         self.head(&h)
     }
+}
+
+/// Runs `block` on `h`: as a checkpointed segment ([`crate::activations`]) while activation
+/// checkpointing is on, directly otherwise.
+pub fn run_block<B>(block: &B, h: &Tensor, ctx: &BlockContext) -> Result<Tensor>
+where
+    B: Block + Clone + 'static,
+{
+    if !crate::activations::is_recording() {
+        return block.forward(h, ctx);
+    }
+    let (block, ctx) = (block.clone(), ctx.clone());
+    crate::activations::checkpoint(h, move |x| block.forward(x, &ctx))
 }
 
 /// An additive mask `(b, 1, 1, t)` from a 0/1 padding mask `(b, t)`: 0 where a key is kept,

@@ -15,7 +15,7 @@ mod loss;
 mod proj;
 mod rotary;
 
-pub use decoder::{Block, BlockContext, CausalLm};
+pub use decoder::{run_block, Block, BlockContext, CausalLm};
 pub use load::load_weights;
 pub use loss::{causal_lm_loss, token_loss, IGNORE_INDEX};
 pub use proj::Proj;

@@ -23,6 +23,10 @@ pub struct StepTimes {
     pub data: f64,
     /// Seconds in candle's backward and in adding gradients to the window's sums.
     pub backward: f64,
+    /// Seconds running checkpointed segments again during backward (activation
+    /// checkpointing), not counted in `backward`.
+    #[serde(default)]
+    pub recompute: f64,
     /// Seconds ending accumulation windows: gradient collectives (including waiting for the
     /// other ranks), unscaling and clipping; under sharding also the slice's optimizer step,
     /// and with `overlap` the optimizer step.
@@ -41,16 +45,22 @@ impl StepTimes {
     /// The seconds not in any measured phase: the forward pass, the loss and the loop's own
     /// code.
     pub fn rest(&self) -> f64 {
-        (self.wall - self.data - self.backward - self.sync - self.optimizer - self.checkpoint)
-            .max(0.0)
+        let measured = self.data
+            + self.backward
+            + self.recompute
+            + self.sync
+            + self.optimizer
+            + self.checkpoint;
+        (self.wall - measured).max(0.0)
     }
 
     /// The phases as (name, seconds), in the order reports list them.
-    pub fn phases(&self) -> [(&'static str, f64); 6] {
+    pub fn phases(&self) -> [(&'static str, f64); 7] {
         [
             ("data", self.data),
             ("forward and the rest", self.rest()),
             ("backward", self.backward),
+            ("recompute", self.recompute),
             ("sync", self.sync),
             ("optimizer", self.optimizer),
             ("checkpoint", self.checkpoint),
@@ -108,6 +118,7 @@ pub(crate) struct StepClock {
     micro: AtomicU64,
     data: AtomicU64,
     backward: AtomicU64,
+    recompute: AtomicU64,
     sync: AtomicU64,
     optimizer: AtomicU64,
     checkpoint: AtomicU64,
@@ -138,6 +149,7 @@ impl Drop for Saving<'_> {
 pub(crate) enum Phase {
     Data,
     Backward,
+    Recompute,
     Sync,
     Optimizer,
     Checkpoint,
@@ -151,6 +163,7 @@ impl Default for StepClock {
             micro: AtomicU64::new(0),
             data: AtomicU64::new(0),
             backward: AtomicU64::new(0),
+            recompute: AtomicU64::new(0),
             sync: AtomicU64::new(0),
             optimizer: AtomicU64::new(0),
             checkpoint: AtomicU64::new(0),
@@ -166,6 +179,7 @@ impl Phase {
         match self {
             Phase::Data => SpanKind::Data,
             Phase::Backward => SpanKind::Backward,
+            Phase::Recompute => SpanKind::Recompute,
             Phase::Sync => SpanKind::Sync,
             Phase::Optimizer => SpanKind::Optimizer,
             Phase::Checkpoint => SpanKind::Checkpoint,
@@ -178,6 +192,7 @@ impl StepClock {
         match phase {
             Phase::Data => &self.data,
             Phase::Backward => &self.backward,
+            Phase::Recompute => &self.recompute,
             Phase::Sync => &self.sync,
             Phase::Optimizer => &self.optimizer,
             Phase::Checkpoint => &self.checkpoint,
@@ -196,12 +211,28 @@ impl StepClock {
 
     /// Adds the time since `start` to `phase`.
     pub(crate) fn since(&self, phase: Phase, start: Instant) {
+        self.since_less(phase, start, Duration::ZERO);
+    }
+
+    /// Adds the time since `start`, less `inside` (what a phase within it counted), to
+    /// `phase`; its span is the whole stretch.
+    pub(crate) fn since_less(&self, phase: Phase, start: Instant, inside: Duration) {
         let now = Instant::now();
-        let nanos =
-            u64::try_from(now.saturating_duration_since(start).as_nanos()).unwrap_or(u64::MAX);
+        let took = now.saturating_duration_since(start).saturating_sub(inside);
+        let nanos = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX);
         self.counter(phase).fetch_add(nanos, Ordering::Relaxed);
         if let Some(trace) = self.trace.get() {
             trace.record(phase.kind(), start, now);
+        }
+    }
+
+    /// Adds the stretch from `start` to `end` to `phase`.
+    pub(crate) fn between(&self, phase: Phase, start: Instant, end: Instant) {
+        let nanos = u64::try_from(end.saturating_duration_since(start).as_nanos());
+        self.counter(phase)
+            .fetch_add(nanos.unwrap_or(u64::MAX), Ordering::Relaxed);
+        if let Some(trace) = self.trace.get() {
+            trace.record(phase.kind(), start, end);
         }
     }
 
@@ -242,6 +273,7 @@ impl StepClock {
             wall,
             data: secs(&self.data),
             backward: secs(&self.backward),
+            recompute: secs(&self.recompute),
             sync: secs(&self.sync),
             optimizer: secs(&self.optimizer),
             checkpoint: secs(&self.checkpoint),
@@ -256,6 +288,7 @@ impl StepClock {
             &self.micro,
             &self.data,
             &self.backward,
+            &self.recompute,
             &self.sync,
             &self.optimizer,
             &self.checkpoint,
@@ -281,6 +314,7 @@ mod tests {
             wall: 1.0,
             data: 0.1,
             backward: 0.2,
+            recompute: 0.0,
             sync: 0.3,
             optimizer: 0.1,
             checkpoint: 0.0,

@@ -31,6 +31,23 @@ impl ParamSet {
             .map(|(n, _)| n.as_str())
     }
 
+    /// A copy of each buffer's current value, to be put back by [`Self::restore_buffers`]
+    /// (around a checkpointed segment's recompute, which would update them a second time).
+    pub(crate) fn buffer_values(&self) -> Result<Vec<(usize, Tensor)>> {
+        (0..self.buffer.len())
+            .filter(|&i| self.buffer[i])
+            .map(|i| Ok((i, self.compute[i].as_tensor().copy()?)))
+            .collect()
+    }
+
+    /// Puts back the buffer values [`Self::buffer_values`] copied.
+    pub(crate) fn restore_buffers(&self, values: &[(usize, Tensor)]) -> Result<()> {
+        for (i, value) in values {
+            self.compute[*i].set(value)?;
+        }
+        Ok(())
+    }
+
     /// Brings this model's buffers to agreement across processes as `mode` says (one
     /// collective for all of them), then mirrors them into their masters.
     pub(crate) fn sync_buffers(&self, comm: &dyn Communicator, mode: BufferSync) -> Result<()> {

@@ -156,6 +156,19 @@ impl Training {
             .collect()
     }
 
+    /// A copy of every prepared model's buffers, to put back with [`Self::restore_buffers`].
+    pub(crate) fn buffer_values(&self) -> Result<Vec<Vec<(usize, Tensor)>>> {
+        self.models.iter().map(ParamSet::buffer_values).collect()
+    }
+
+    /// Puts back the buffers [`Self::buffer_values`] copied.
+    pub(crate) fn restore_buffers(&self, values: &[Vec<(usize, Tensor)>]) -> Result<()> {
+        for (model, values) in self.models.iter().zip(values) {
+            model.restore_buffers(values)?;
+        }
+        Ok(())
+    }
+
     /// Brings the buffers of the models this window trained (`touched`) to agreement as `mode`
     /// says, after adopting as buffers the variables that changed in the forward without a
     /// gradient (warned once, on the main process: it changes what trains).

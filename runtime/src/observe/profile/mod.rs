@@ -48,6 +48,8 @@ pub enum SpanKind {
     Optimizer,
     /// A checkpoint save or load holding the loop.
     Checkpoint,
+    /// A checkpointed segment's forward run again during backward (inside `Backward`).
+    Recompute,
 }
 
 impl SpanKind {
@@ -60,6 +62,7 @@ impl SpanKind {
             SpanKind::Collective => "collective",
             SpanKind::Optimizer => "optimizer",
             SpanKind::Checkpoint => "checkpoint",
+            SpanKind::Recompute => "recompute",
         }
     }
 }

@@ -24,6 +24,9 @@ pub struct StepRow {
     pub optimizer_ns: u64,
     /// Checkpoint stalls.
     pub checkpoint_ns: u64,
+    /// Checkpointed segments run again, inside `backward_ns`.
+    #[serde(default)]
+    pub recompute_ns: u64,
 }
 
 impl StepRow {
@@ -42,6 +45,7 @@ impl StepRow {
             SpanKind::Collective => self.collective_ns += ns,
             SpanKind::Optimizer => self.optimizer_ns += ns,
             SpanKind::Checkpoint => self.checkpoint_ns += ns,
+            SpanKind::Recompute => self.recompute_ns += ns,
         }
     }
 }
@@ -156,6 +160,7 @@ mod tests {
                 collective_ns: 5,
                 optimizer_ns: 4,
                 checkpoint_ns: 0,
+                recompute_ns: 0,
             }
         );
         assert_eq!(rows[0].rest_ns(), 52 - 36);
@@ -170,6 +175,7 @@ mod tests {
                 collective_ns: 7,
                 optimizer_ns: 3,
                 checkpoint_ns: 7,
+                recompute_ns: 0,
             }
         );
     }

@@ -331,6 +331,7 @@ mod tests {
             collective_ns: collective,
             optimizer_ns: 1_000_000,
             checkpoint_ns: 0,
+            recompute_ns: 0,
         }
     }
 

@@ -31,7 +31,7 @@ use crate::observe::step_times::Phase;
 use crate::optim::gradients::Gradients;
 use crate::train::training::Training;
 use candle_core::backprop::GradStore;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::setup::config::{BufferSync, Sharding};
 
@@ -136,6 +136,8 @@ pub(crate) struct MicroBatch {
     pub scaled: bool,
     /// When the micro-batch's backward began, for the step-time phases.
     pub started: Instant,
+    /// How long checkpointed segments took to run again inside it (their own phase).
+    pub recomputed: Duration,
 }
 
 /// Everything a window's end reads besides the models: the communicator, the settings, the
@@ -179,6 +181,7 @@ pub(crate) fn take(
         loss_scale,
         scaled,
         started,
+        recomputed,
     } = micro;
     let end = WindowEnd {
         comm,
@@ -188,7 +191,7 @@ pub(crate) fn take(
         check_overflow: scaled,
     };
     if ends_window && replicated::passes_through(training, &end) {
-        clock.since(Phase::Backward, started);
+        clock.since_less(Phase::Backward, started, recomputed);
         let sync_began = Some(Instant::now());
         let grads = replicated::end_in_place(training, &end, store)?;
         return Ok(Taken { grads, sync_began });
@@ -199,7 +202,7 @@ pub(crate) fn take(
         .map(|m| m.accumulate(&store))
         .collect::<Result<Vec<bool>>>()?;
     drop(store);
-    clock.since(Phase::Backward, started);
+    clock.since_less(Phase::Backward, started, recomputed);
     if !ends_window {
         let grads = Gradients::accumulating();
         return Ok(Taken {

@@ -1,0 +1,124 @@
+//! Activation checkpointing: segments of a forward pass whose activations are dropped as soon
+//! as the segment has run and computed again, one segment at a time, during `backward`.
+//!
+//! A forward pass keeps every intermediate tensor it made until backward has used it, so the
+//! activations of all of a model's blocks are alive at once. Run each block through
+//! [`checkpoint`] and only the blocks' inputs stay: the segment's own graph is dropped with its
+//! output, and [`Accelerator::backward`](crate::Accelerator::backward) runs it again, from the
+//! last segment to the first, when the gradient reaches it (its weights' gradients and its
+//! input's are then exactly what a backward without checkpointing computes). The price is one
+//! more forward of each segment.
+//!
+//! Checkpointing is on while an Accelerator built with
+//! [`activation_checkpointing(true)`](crate::AcceleratorBuilder::activation_checkpointing)
+//! (`activation_checkpointing = true` in `#[accelerate]`) lives on the thread; otherwise
+//! [`checkpoint`] simply runs the segment. ivme's model families ([`crate::models`]) run each
+//! decoder or encoder block as a segment, so they need nothing more.
+//!
+//! What a recompute keeps the same:
+//! - **Random draws**: draws from an [`ivme::rng::Rng`](crate::rng::Rng) (`dropout`, `rand`,
+//!   `randn`) inside a segment are replayed, so the recompute drops the same units. candle's
+//!   own random ops (`candle_nn::ops::dropout`, `Tensor::rand`) draw from a generator nobody
+//!   can replay: the first `backward` compares each recomputed segment with its forward and
+//!   refuses one that differs, naming it.
+//! - **Buffers**: BatchNorm's running statistics and registered buffers are put back after the
+//!   recomputes, so a recompute does not count a batch twice.
+//!
+//! ```no_run
+//! # fn main() -> ivme::Result<()> {
+//! use candle_core::{DType, Device, Module, Tensor};
+//! use candle_nn::{linear, Linear, VarBuilder, VarMap};
+//!
+//! let mut acc = ivme::Accelerator::builder().activation_checkpointing(true).build()?;
+//! let varmap = VarMap::new();
+//! let vb = VarBuilder::from_varmap(&varmap, DType::F32, acc.device());
+//! let blocks: Vec<Linear> = (0..4)
+//!     .map(|i| linear(64, 64, vb.pp(format!("block{i}"))))
+//!     .collect::<candle_core::Result<_>>()?;
+//! acc.prepare(&varmap)?;
+//! let mut h = Tensor::ones((8, 64), DType::F32, acc.device())?;
+//! for block in &blocks {
+//!     let block = block.clone(); // the segment owns what it runs again (weights are shared)
+//!     h = ivme::activations::checkpoint(&h, move |x| block.forward(x)?.tanh())?;
+//! }
+//! let grads = acc.backward(&h.sqr()?.mean_all()?)?;
+//! # Ok(()) }
+//! ```
+
+mod recompute;
+mod tape;
+
+pub(crate) use recompute::backward;
+pub(crate) use tape::{draw_from, ever_ran};
+
+use candle_core::{Tensor, Var};
+
+/// Runs `f` on `x` as a checkpointed segment: its activations are dropped once it has run and
+/// computed again during `backward`. Without checkpointing on this thread, or inside another
+/// segment, it is just `f(x)`.
+///
+/// `f` is kept until `backward`, so it owns what it reads: clone the module into it (candle's
+/// modules share their weights when cloned). It must compute the same result when run again:
+/// draw randomness from [`ivme::rng::Rng`](crate::rng::Rng), whose draws are replayed.
+pub fn checkpoint<F>(x: &Tensor, f: F) -> candle_core::Result<Tensor>
+where
+    F: Fn(&Tensor) -> candle_core::Result<Tensor> + 'static,
+{
+    if !tape::records() {
+        return f(x);
+    }
+    let (out, draws) = tape::forward(|| f(x));
+    let out = out?;
+    if !out.track_op() {
+        // Nothing in the segment or before it trains (a frozen base): no gradient flows here,
+        // so there is no graph to drop and nothing to recompute.
+        return Ok(out);
+    }
+    // A copy as a fresh variable: the segment's graph goes with `out`, and backward stops here.
+    let output = Var::from_tensor(&out.detach())?;
+    let handed_on = output.as_tensor().clone();
+    tape::push(tape::Segment {
+        input: x.clone(),
+        output,
+        run: Box::new(f),
+        draws,
+    });
+    Ok(handed_on)
+}
+
+/// An Accelerator's activation checkpointing: on for the thread that built it while it lives.
+#[derive(Debug)]
+pub(crate) struct Segments {
+    _recording: tape::Recording,
+    /// Whether a backward has compared its recomputes with their forwards (the first does).
+    verified: bool,
+}
+
+impl Segments {
+    /// Switches checkpointing on for this thread.
+    pub(crate) fn start() -> Segments {
+        Segments {
+            _recording: tape::Recording::start(),
+            verified: false,
+        }
+    }
+
+    /// Whether this backward should compare each recompute with its forward: the first one
+    /// that recomputes does. Marks it done.
+    pub(crate) fn verify_once(&mut self) -> bool {
+        !std::mem::replace(&mut self.verified, true)
+    }
+}
+
+/// Whether [`checkpoint`] records segments on this thread now (checkpointing is on and no
+/// segment is running).
+pub fn is_recording() -> bool {
+    tape::records()
+}
+
+/// Drops the segments recorded since the last `backward`: call it after a forward pass that no
+/// `backward` follows (an evaluation), so its segments' inputs are freed at once rather than
+/// at the next `backward`.
+pub fn discard() {
+    drop(tape::take());
+}

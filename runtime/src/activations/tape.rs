@@ -1,0 +1,175 @@
+//! The thread's record of checkpointed segments: what each segment ran, on what input, what it
+//! handed on, and the random draws it made, from its forward until the backward that recomputes
+//! it.
+
+use crate::rng::RngState;
+use candle_core::{Tensor, Var};
+use std::cell::RefCell;
+use std::collections::VecDeque;
+
+/// A segment's forward, kept to be run again in backward.
+pub(crate) type Run = Box<dyn Fn(&Tensor) -> candle_core::Result<Tensor>>;
+
+/// One checkpointed segment of a forward pass.
+pub(crate) struct Segment {
+    /// What the segment was given (with its graph: the gradient flows on through it).
+    pub input: Tensor,
+    /// A copy of what it computed, as a fresh variable: the rest of the forward starts there,
+    /// and backward stops there with the gradient the segment's recompute continues from.
+    pub output: Var,
+    /// The segment's forward.
+    pub run: Run,
+    /// The state of each generator the forward drew from, in draw order: the recompute draws
+    /// the same numbers.
+    pub draws: Vec<RngState>,
+}
+
+/// What this thread is doing with segments.
+#[derive(Default)]
+struct Tape {
+    /// How many recording Accelerators live on this thread (checkpointing is on while > 0).
+    recorders: usize,
+    /// Segments recorded since the last backward, in forward order.
+    segments: Vec<Segment>,
+    /// Whether any segment ran while checkpointing was on.
+    ever_ran: bool,
+    /// Inside a segment: the draws its forward makes are logged here, or, when recomputing,
+    /// taken from here in order.
+    inside: Option<Inside>,
+}
+
+/// The segment being run.
+enum Inside {
+    /// Its forward: draws are logged.
+    Forward(Vec<RngState>),
+    /// Its recompute: draws replay what the forward logged.
+    Recompute(VecDeque<RngState>),
+}
+
+thread_local! {
+    static TAPE: RefCell<Tape> = RefCell::new(Tape::default());
+}
+
+/// Keeps checkpointing on for the thread that started it while it lives.
+#[derive(Debug)]
+pub(crate) struct Recording {
+    /// The thread whose tape it switched on (dropped elsewhere, it leaves that tape alone).
+    thread: std::thread::ThreadId,
+}
+
+impl Recording {
+    /// Switches checkpointing on for this thread.
+    pub(crate) fn start() -> Recording {
+        TAPE.with(|t| t.borrow_mut().recorders += 1);
+        Recording {
+            thread: std::thread::current().id(),
+        }
+    }
+}
+
+impl Drop for Recording {
+    fn drop(&mut self) {
+        if std::thread::current().id() != self.thread {
+            return;
+        }
+        TAPE.with(|t| {
+            let mut t = t.borrow_mut();
+            t.recorders -= 1;
+            if t.recorders == 0 {
+                t.segments.clear();
+            }
+        });
+    }
+}
+
+/// Whether a segment run now would be recorded: checkpointing is on and no segment is running.
+pub(crate) fn records() -> bool {
+    TAPE.with(|t| {
+        let t = t.borrow();
+        t.recorders > 0 && t.inside.is_none()
+    })
+}
+
+/// Whether any segment ran on this thread while checkpointing was on.
+pub(crate) fn ever_ran() -> bool {
+    TAPE.with(|t| t.borrow().ever_ran)
+}
+
+/// Runs `f` as a segment's forward, logging the draws it makes; returns its result and the
+/// draws.
+pub(crate) fn forward<T>(f: impl FnOnce() -> T) -> (T, Vec<RngState>) {
+    TAPE.with(|t| {
+        let mut t = t.borrow_mut();
+        t.ever_ran = true;
+        t.inside = Some(Inside::Forward(Vec::new()));
+    });
+    let out = Leave.run(f);
+    let draws = match TAPE.with(|t| t.borrow_mut().inside.take()) {
+        Some(Inside::Forward(draws)) => draws,
+        _ => Vec::new(),
+    };
+    (out, draws)
+}
+
+/// Runs `f` as a segment's recompute, replaying `draws`; returns its result and how many
+/// draws it did not replay (a forward that drew more than the recompute does).
+pub(crate) fn recompute<T>(draws: Vec<RngState>, f: impl FnOnce() -> T) -> (T, usize) {
+    TAPE.with(|t| t.borrow_mut().inside = Some(Inside::Recompute(draws.into())));
+    let out = Leave.run(f);
+    let left = match TAPE.with(|t| t.borrow_mut().inside.take()) {
+        Some(Inside::Recompute(left)) => left.len(),
+        _ => 0,
+    };
+    (out, left)
+}
+
+/// Leaves the segment when dropped, so that a panic inside one does not leave the thread
+/// inside it.
+struct Leave;
+
+impl Leave {
+    fn run<T>(self, f: impl FnOnce() -> T) -> T {
+        f()
+    }
+}
+
+impl Drop for Leave {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            TAPE.with(|t| {
+                if let Ok(mut t) = t.try_borrow_mut() {
+                    t.inside = None;
+                }
+            });
+        }
+    }
+}
+
+/// Adds a recorded segment.
+pub(crate) fn push(segment: Segment) {
+    TAPE.with(|t| {
+        t.borrow_mut().segments.push(segment);
+    });
+}
+
+/// Takes every segment recorded since the last backward, in forward order.
+pub(crate) fn take() -> Vec<Segment> {
+    TAPE.with(|t| std::mem::take(&mut t.borrow_mut().segments))
+}
+
+/// How a generator at `state` should draw now: `None` to draw from itself (outside segments,
+/// and in a segment's forward, where the state is logged), or the state a recompute replays.
+/// `Err` when a recompute draws more often than its forward did.
+pub(crate) fn draw_from(state: RngState) -> Result<Option<RngState>, ()> {
+    TAPE.with(|t| {
+        let mut t = t.borrow_mut();
+        match &mut t.inside {
+            None => Ok(None),
+            Some(Inside::Forward(draws)) => {
+                draws.push(state);
+                Ok(None)
+            }
+            Some(Inside::Recompute(draws)) => draws.pop_front().map(Some).ok_or(()),
+        }
+    })
+}
