@@ -25,7 +25,7 @@ pub struct Size {
     pub steps: usize,
 }
 
-pub const SIZES: [Size; 4] = [
+pub const SIZES: [Size; 6] = [
     Size {
         name: "T",
         hidden: 64,
@@ -73,6 +73,32 @@ pub const SIZES: [Size; 4] = [
         batch: 2,
         tokens: 128,
         steps: 2,
+    },
+    // M's model on 4 × 512 tokens: activations outweigh the weights and their optimizer state.
+    Size {
+        name: "MA",
+        hidden: 512,
+        layers: 6,
+        heads: 8,
+        kv_heads: 4,
+        mlp: 1376,
+        vocab: 8192,
+        batch: 4,
+        tokens: 512,
+        steps: 2,
+    },
+    // 168 M parameters.
+    Size {
+        name: "XL",
+        hidden: 1024,
+        layers: 12,
+        heads: 16,
+        kv_heads: 4,
+        mlp: 2816,
+        vocab: 16384,
+        batch: 2,
+        tokens: 256,
+        steps: 1,
     },
 ];
 
@@ -141,10 +167,9 @@ pub fn median(mut v: Vec<f64>) -> f64 {
 }
 
 pub fn size(name: &str) -> ivme::Result<&'static Size> {
-    SIZES
-        .iter()
-        .find(|s| s.name == name)
-        .ok_or_else(|| ivme::Error::Usage(format!("unknown size `{name}`: use T, S, M or L")))
+    SIZES.iter().find(|s| s.name == name).ok_or_else(|| {
+        ivme::Error::Usage(format!("unknown size `{name}`: use T, S, M, L, MA or XL"))
+    })
 }
 
 /// ivme's training step at size `s`: the model (in `acc`'s parameter dtype), its two

@@ -30,7 +30,7 @@ impl Recomputed {
 /// Segments the loss does not reach (an evaluation's) are dropped.
 pub(crate) fn backward(loss: &Tensor, verify: bool) -> Result<Recomputed> {
     let segments = tape::take();
-    let mut store = loss.backward()?;
+    let mut store = detached(loss.backward()?);
     let mut spans = Vec::new();
     let count = segments.len();
     for (k, segment) in segments.into_iter().enumerate().rev() {
@@ -60,10 +60,27 @@ pub(crate) fn backward(loss: &Tensor, verify: bool) -> Result<Recomputed> {
             same_as_forward(&again, output.as_tensor(), k, count)?;
         }
         drop(output);
-        let part = (again * grad.detach())?.sum_all()?.backward()?;
-        store.extend(part)?;
+        let seed = grad.detach();
+        let mut part = (again * &seed)?.sum_all()?.backward()?;
+        // candle gives `seed` a gradient too (`again` itself, graph and all): not wanted.
+        part.remove(&seed);
+        store.extend(detached(part))?;
     }
     Ok(Recomputed { store, spans })
+}
+
+/// `store` with every gradient cut from the graph it was computed with: a gradient candle
+/// computes from a forward tensor can hold that tensor's graph, which would keep a recomputed
+/// segment's activations alive until the step ends (tests/activation_memory.rs).
+fn detached(mut store: GradStore) -> GradStore {
+    let ids: Vec<_> = store.get_ids().copied().collect();
+    for id in ids {
+        if let Some(grad) = store.get_id(id) {
+            let grad = grad.detach();
+            store.insert_id(id, grad);
+        }
+    }
+    store
 }
 
 /// Refuses segment `k` of `count` whose recompute did not give its forward's result.
