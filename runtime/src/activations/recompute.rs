@@ -102,8 +102,9 @@ fn same_as_forward(again: &Tensor, forward: &Tensor, k: usize, count: usize) -> 
     let f = forward.to_dtype(DType::F32)?;
     let diff = (&a - &f)?.abs()?.max_all()?.to_scalar::<f32>()?;
     let size = f.abs()?.max_all()?.to_scalar::<f32>()?;
-    // Exact on a CPU; a GPU's kernels may round a few elements differently when run again.
-    if diff.is_nan() || diff > 1e-2 * size.max(f32::MIN_POSITIVE) && diff > 0.0 {
+    // A GPU's kernels may round a few elements differently when run again; a draw that differs
+    // (a unit dropped in one run and kept in the other) moves values by their own size.
+    if diff.is_nan() || diff > 1e-2 * size {
         return Err(refused(
             k,
             count,

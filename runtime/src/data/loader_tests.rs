@@ -77,6 +77,8 @@ struct Probe {
     panic: Option<usize>,
     threads: Mutex<Vec<std::thread::ThreadId>>,
     built: Arc<std::sync::atomic::AtomicUsize>,
+    /// How long a worker thread takes over each batch.
+    worker_delay: std::time::Duration,
 }
 
 impl Probe {
@@ -87,6 +89,7 @@ impl Probe {
             panic: None,
             threads: Mutex::new(Vec::new()),
             built: Default::default(),
+            worker_delay: std::time::Duration::ZERO,
         }
     }
 }
@@ -105,6 +108,12 @@ impl crate::data::Dataset for Probe {
         Ok(index as u32)
     }
     fn collate(&self, items: Vec<u32>, _device: &Device) -> Result<Vec<u32>> {
+        let on_worker = std::thread::current()
+            .name()
+            .is_some_and(|n| n.starts_with("ivme-data"));
+        if on_worker {
+            std::thread::sleep(self.worker_delay);
+        }
         if let Ok(mut t) = self.threads.lock() {
             t.push(std::thread::current().id());
         }
@@ -137,7 +146,7 @@ fn prefetched_batches_are_the_same_in_the_same_order_and_resume_alike() -> Resul
     drop(b_it);
     b.set_position(at)?;
     assert_eq!(batches(&mut b), batches(&mut a));
-    // The workers built them, and never more than the depth ahead of the loop.
+    // The workers built some of them (the loop builds what no worker has started).
     let main = std::thread::current().id();
     let threads = b
         .dataset()
@@ -145,7 +154,27 @@ fn prefetched_batches_are_the_same_in_the_same_order_and_resume_alike() -> Resul
         .lock()
         .map(|t| t.clone())
         .unwrap_or_default();
-    assert!(!threads.is_empty() && threads.iter().all(|t| *t != main));
+    assert!(threads.iter().any(|t| *t != main));
+    Ok(())
+}
+
+#[test]
+fn the_loop_builds_the_batches_no_worker_has_started_instead_of_waiting() -> Result<()> {
+    let plain = batches(&mut DataLoader::new(Probe::new(16), 2));
+    let mut probe = Probe::new(16);
+    probe.worker_delay = std::time::Duration::from_millis(200);
+    let mut l = DataLoader::new(probe, 2).prefetch(3).workers(1);
+    let started = std::time::Instant::now();
+    assert_eq!(batches(&mut l), plain);
+    let main = std::thread::current().id();
+    let threads = l.dataset().threads.lock().map(|t| t.clone()).unwrap();
+    let by_loop = threads.iter().filter(|t| **t == main).count();
+    // The one worker takes 200 ms a batch: waiting for it would take 1.6 s for the 8 batches.
+    assert!(
+        by_loop >= 4,
+        "the loop built {by_loop} of 8 batches in {:?}",
+        started.elapsed()
+    );
     Ok(())
 }
 

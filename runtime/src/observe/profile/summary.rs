@@ -55,8 +55,11 @@ pub struct RankSummary {
     pub data: f64,
     /// The forward pass and the loop's own code (what no span covers).
     pub forward_and_rest: f64,
-    /// candle's backward.
+    /// candle's backward (the recomputes left out).
     pub backward: f64,
+    /// Checkpointed segments run again during backward (activation checkpointing).
+    #[serde(default)]
+    pub recompute: f64,
     /// Ending windows outside the collectives: copies into buckets, unscaling, clipping.
     pub sync_local: f64,
     /// The windows' collectives.
@@ -74,11 +77,12 @@ pub struct RankSummary {
 
 impl RankSummary {
     /// The phases as (name, seconds), in the order the table lists them.
-    pub fn phases(&self) -> [(&'static str, f64); 7] {
+    pub fn phases(&self) -> [(&'static str, f64); 8] {
         [
             ("data", self.data),
             ("forward and the rest", self.forward_and_rest),
             ("backward", self.backward),
+            ("recompute", self.recompute),
             ("sync: copies, clipping", self.sync_local),
             ("sync: collectives", self.collective),
             ("optimizer", self.optimizer),
@@ -140,7 +144,8 @@ impl Summary {
                     wall: sum(|s| s.wall_ns),
                     data: sum(|s| s.data_ns),
                     forward_and_rest: sum(StepRow::rest_ns),
-                    backward: sum(|s| s.backward_ns),
+                    backward: sum(|s| s.backward_ns.saturating_sub(s.recompute_ns)),
+                    recompute: sum(|s| s.recompute_ns),
                     sync_local: sum(|s| s.sync_ns.saturating_sub(s.collective_ns)),
                     collective: sum(|s| s.collective_ns),
                     waiting: secs(waiting),
