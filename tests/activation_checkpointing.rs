@@ -79,6 +79,30 @@ fn two_ranks_in_bf16_with_dropout_train_bit_for_bit_as_without_checkpointing() {
     assert_ne!(first["a.weight"], moved, "the runs trained");
 }
 
+#[test]
+fn fp16_with_loss_scaling_and_the_overlapped_sync_train_bit_for_bit_as_without_checkpointing() {
+    let base = [
+        "opt=adamw",
+        "steps=8",
+        "batch=4",
+        "accum=2",
+        "n=64",
+        "lr=0.01",
+    ];
+    for (extra, tag) in [
+        (&["precision=fp16", "init_scale=1024"][..], "fp16"),
+        (&["overlap=1"][..], "overlap"),
+    ] {
+        let args = [&base[..], extra].concat();
+        let plain = run(2, &args, &format!("{tag}-plain"));
+        let checkpointed = run(2, &[&args[..], &["ckpt=1"]].concat(), &format!("{tag}-on"));
+        for (r, (a, b)) in plain.iter().zip(&checkpointed).enumerate() {
+            let (a, b) = (common::params(a), common::params(b));
+            assert_eq!(a, b, "{tag}, rank {r}: weights differ with checkpointing");
+        }
+    }
+}
+
 const ACCUM: usize = 2;
 const STEPS: usize = 3;
 const CLIP: f64 = 0.3;

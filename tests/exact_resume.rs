@@ -76,6 +76,25 @@ const BASE: &[&str] = &[
 ];
 
 #[test]
+fn a_checkpointed_run_with_dropout_resumes_exactly_and_ends_where_an_unchecked_one_does() {
+    let mut args = BASE.to_vec();
+    args.push("ckpt=1");
+    let (a, c) = straight_and_resumed("ckpt", &args, 24, 10, "none");
+    assert_eq!(
+        a, c,
+        "the resumed checkpointed run differs from the uninterrupted one"
+    );
+    let out = tmp("ckpt-unchecked");
+    let unchecked = harness(2, &[BASE, &["steps=24"]].concat(), &out);
+    let _ = std::fs::remove_dir_all(out);
+    assert_eq!(
+        a,
+        params(&unchecked[0]),
+        "checkpointing changed the weights"
+    );
+}
+
+#[test]
 fn a_resumed_run_equals_an_uninterrupted_one_bit_for_bit() {
     // 24 micro-steps = 12 optimizer steps; saved after optimizer step 5, mid-epoch
     // (6 batches per rank per epoch, so micro-step 10 is batch 4 of epoch 1).

@@ -3,7 +3,7 @@
 //! rates) to `out/rank{R}.json` so a test can compare it with plain candle.
 //!
 //! Arguments are `key=value`: `opt=sgd|adamw steps=K batch=B n=N accum=A precision=no|fp16|bf16
-//! cpu=0|1 lr=F momentum=F clip_norm=F clip_value=F sharding=no|optimizer|gradients shuffle=0|1 sched=none|step|warmup dropout=P project=DIR save_at=K save_every=K resume=1 resume_any=1 step_ms=MS resave=DIR model_in=FILE model_out=DIR async=0|1 ckpt=0|1 break=rng|loader|scheduler|optimizer loss_scale=F init_scale=F inject_inf_at=I out=DIR`.
+//! cpu=0|1 lr=F momentum=F clip_norm=F clip_value=F sharding=no|optimizer|gradients shuffle=0|1 sched=none|step|warmup dropout=P project=DIR save_at=K save_every=K resume=1 resume_any=1 step_ms=MS resave=DIR model_in=FILE model_out=DIR async=0|1 ckpt=0|1 overlap=0|1 break=rng|loader|scheduler|optimizer loss_scale=F init_scale=F inject_inf_at=I out=DIR`.
 //! `steps` counts micro-steps in all (a resumed run trains only the rest; none when the loaded
 //! state is already there); `resave` saves the state again right after the load; `model_out`
 //! saves the model (`save_model`) at the end; `model_in` loads one (`load_model`) after prepare.
@@ -153,6 +153,9 @@ fn main() -> ivme::Result<()> {
     }
     if args.get("ckpt", 0u8) == 1 {
         builder = builder.activation_checkpointing(true);
+    }
+    if args.get("overlap", 0u8) == 1 {
+        builder = builder.overlap(true);
     }
     let mut acc = builder.build()?;
     let dev = acc.device().clone();
