@@ -50,6 +50,40 @@ fn two_checkpointed_ranks_with_accumulation_and_clipping_equal_plain_candle_at_e
 }
 
 #[test]
+fn ivme_launchs_flag_turns_checkpointing_on_in_every_rank() {
+    let out = common::scratch("ckpt-flag");
+    let out_arg = format!("out={}", out.display());
+    let args = ["opt=sgd", "steps=2", "batch=4", "n=16", &out_arg];
+    let harness = common::example_bin("harness");
+    let launched = |flags: &[&str]| {
+        let mut all: Vec<&str> = flags.to_vec();
+        all.push(harness.to_str().unwrap());
+        all.extend(args);
+        let o = std::process::Command::new(common::ivme_bin())
+            .args(["launch", "--num_processes", "2", "--cpu"])
+            .args(&all)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{:?}", common::text(&o));
+        (0..2)
+            .map(|r| {
+                let b = std::fs::read(out.join(format!("rank{r}.json"))).unwrap();
+                serde_json::from_slice::<Value>(&b).unwrap()
+            })
+            .collect::<Vec<_>>()
+    };
+    for r in launched(&["--activation_checkpointing"]) {
+        assert_eq!(r["checkpointing"], true, "{r}");
+        assert!(r["recompute_s"].as_f64().unwrap() > 0.0, "{r}");
+    }
+    for r in launched(&[]) {
+        assert_eq!(r["checkpointing"], false, "{r}");
+        assert_eq!(r["recompute_s"].as_f64().unwrap(), 0.0, "{r}");
+    }
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+#[test]
 fn two_ranks_in_bf16_with_dropout_train_bit_for_bit_as_without_checkpointing() {
     let args = [
         "opt=adamw",

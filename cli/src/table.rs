@@ -255,6 +255,17 @@ settings! {
         env: Some(Env { read: true, to_ranks: |on| on.then(|| "1".into()) }),
         file: false, show: text, default: || Some(false),
     }
+    activation_checkpointing = ACTIVATION_CHECKPOINTING: bool {
+        label: "activation checkpointing",
+        code: "`.activation_checkpointing(true)` / `activation_checkpointing = true`",
+        flag: Some(Flag {
+            value_name: cli::SWITCH,
+            help: "drop each checkpointed block's activations after its forward and run it again in backward (IVME_ACTIVATION_CHECKPOINTING=1)",
+        }),
+        example: "", parse: values::switch, want: "1 or 0 (also true/false)",
+        env: Some(Env { read: true, to_ranks: |on| on.then(|| "1".into()) }),
+        file: false, show: text, default: || Some(false),
+    }
     preempt_signals = PREEMPT_SIGNALS: String {
         label: "preemption signals", code: "", flag: Some(Flag {
             value_name: "list",

@@ -341,6 +341,8 @@ fn main() -> ivme::Result<()> {
                   "gradients": held.gradients, "optimizer": held.optimizer },
         "compute_dtype": compute_dtype,
         "scale": acc.scaler().map(|s| s.scale),
+        "checkpointing": acc.activation_checkpointing(),
+        "recompute_s": acc.step_times().recompute,
     });
     let out = args.str("out", ".");
     std::fs::create_dir_all(&out).map_err(|e| ivme::Error::io(format!("creating {out}"), e))?;

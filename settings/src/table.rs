@@ -161,7 +161,8 @@ table! {
     ActivationCheckpointing ACTIVATION_CHECKPOINTING {
         name: "activation_checkpointing", ty: "bool", default: "false",
         builder: Some("activation_checkpointing"), attribute: Some("activation_checkpointing"),
-        example: "true", var: var(vars::ACTIVATION_CHECKPOINTING),
+        example: "true", launch: Some("activation_checkpointing"),
+        var: var(vars::ACTIVATION_CHECKPOINTING),
     }
     /// The size of the buffers gradients are flattened into for averaging, in MiB.
     BucketSizeMb BUCKET_SIZE_MB {

@@ -228,9 +228,9 @@ pub const OVERLAP: Var = Var {
 /// Activation checkpointing.
 pub const ACTIVATION_CHECKPOINTING: Var = Var {
     name: "IVME_ACTIVATION_CHECKPOINTING",
-    set_by: SetBy::User,
+    set_by: SetBy::Launcher,
     values: "1 or 0 (also true/false)",
-    meaning: "drop each checkpointed segment's activations after its forward and run it again in `backward` (`activation_checkpointing = true`; docs/sharding.md)",
+    meaning: "drop each checkpointed segment's activations after its forward and run it again in `backward` (`--activation_checkpointing`, `activation_checkpointing = true`; docs/sharding.md)",
 };
 /// The model's FLOPs per sample, for a profile's FLOP rate.
 pub const FLOPS_PER_SAMPLE: Var = Var {
