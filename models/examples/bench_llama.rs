@@ -53,7 +53,7 @@ mod rounds;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{Optimizer, VarMap};
 use ivme::{Accelerator, Precision};
-use llama_sizes::{data, ivme_step, loss_of, median, model, size, Size, LR};
+use llama_sizes::{data, ivme_step, loss_of, median, model, precision_of, size, Size, LR};
 use std::time::Instant;
 
 /// Milliseconds per step of plain candle (accumulate, clip, step, all by hand), after one
@@ -127,16 +127,6 @@ fn accelerated(s: &Size, precision: Precision) -> ivme::Result<f64> {
         step(&mut acc)?;
     }
     Ok(t.elapsed().as_secs_f64() * 1e3 / s.steps as f64)
-}
-
-fn precision_of(word: &str) -> ivme::Result<Precision> {
-    match word {
-        "f32" => Ok(Precision::No),
-        "bf16" => Ok(Precision::Bf16),
-        other => Err(ivme::Error::Usage(format!(
-            "unknown precision `{other}`: use f32 or bf16"
-        ))),
-    }
 }
 
 /// Milliseconds per step of the step's linear-layer matrix products alone, in candle: for each

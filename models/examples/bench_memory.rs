@@ -33,7 +33,7 @@ use ivme::{Accelerator, Precision, Sharding};
 
 #[global_allocator]
 static ALLOCATOR: live_bytes::Live = live_bytes::Live;
-use llama_sizes::{ivme_step, median, size, Size};
+use llama_sizes::{ivme_step, median, precision_of, size, Size};
 use std::process::Command;
 use std::time::Instant;
 
@@ -123,16 +123,6 @@ fn summary(rounds: &[Peak]) -> Peak {
         ms: median(rounds.iter().map(|p| p.ms).collect()),
         rss: rounds.iter().map(|p| p.rss).fold(0.0, f64::max),
         held: rounds.iter().map(|p| p.held).fold(0.0, f64::max),
-    }
-}
-
-fn precision_of(word: &str) -> ivme::Result<Precision> {
-    match word {
-        "f32" => Ok(Precision::No),
-        "bf16" => Ok(Precision::Bf16),
-        other => Err(ivme::Error::Usage(format!(
-            "unknown precision `{other}`: use f32 or bf16"
-        ))),
     }
 }
 

@@ -161,6 +161,18 @@ pub fn loss_of(logits: &Tensor, targets: &Tensor) -> candle_core::Result<Tensor>
     )
 }
 
+/// The precision a bench's `f32` or `bf16` argument names.
+#[allow(dead_code)]
+pub fn precision_of(word: &str) -> ivme::Result<ivme::Precision> {
+    match word {
+        "f32" => Ok(ivme::Precision::No),
+        "bf16" => Ok(ivme::Precision::Bf16),
+        other => Err(ivme::Error::Usage(format!(
+            "unknown precision `{other}`: use f32 or bf16"
+        ))),
+    }
+}
+
 pub fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v[v.len() / 2]
