@@ -49,7 +49,7 @@ mod recompute;
 mod tape;
 
 pub(crate) use recompute::backward;
-pub(crate) use tape::{draw_from, ever_ran};
+pub(crate) use tape::ever_ran;
 
 use candle_core::{Tensor, Var};
 

@@ -2,10 +2,9 @@
 //! handed on, and the random draws it made, from its forward until the backward that recomputes
 //! it.
 
-use crate::rng::RngState;
+use crate::rng::{replay, RngState};
 use candle_core::{Tensor, Var};
 use std::cell::RefCell;
-use std::collections::VecDeque;
 
 /// A segment's forward, kept to be run again in backward.
 pub(crate) type Run = Box<dyn Fn(&Tensor) -> candle_core::Result<Tensor>>;
@@ -33,17 +32,8 @@ struct Tape {
     segments: Vec<Segment>,
     /// Whether any segment ran while checkpointing was on.
     ever_ran: bool,
-    /// Inside a segment: the draws its forward makes are logged here, or, when recomputing,
-    /// taken from here in order.
-    inside: Option<Inside>,
-}
-
-/// The segment being run.
-enum Inside {
-    /// Its forward: draws are logged.
-    Forward(Vec<RngState>),
-    /// Its recompute: draws replay what the forward logged.
-    Recompute(VecDeque<RngState>),
+    /// Whether a segment is running (its forward or its recompute).
+    inside: bool,
 }
 
 thread_local! {
@@ -86,7 +76,7 @@ impl Drop for Recording {
 pub(crate) fn records() -> bool {
     TAPE.with(|t| {
         let t = t.borrow();
-        t.recorders > 0 && t.inside.is_none()
+        t.recorders > 0 && !t.inside
     })
 }
 
@@ -98,51 +88,32 @@ pub(crate) fn ever_ran() -> bool {
 /// Runs `f` as a segment's forward, logging the draws it makes; returns its result and the
 /// draws.
 pub(crate) fn forward<T>(f: impl FnOnce() -> T) -> (T, Vec<RngState>) {
-    TAPE.with(|t| {
-        let mut t = t.borrow_mut();
-        t.ever_ran = true;
-        t.inside = Some(Inside::Forward(Vec::new()));
-    });
-    let out = Leave.run(f);
-    let draws = match TAPE.with(|t| t.borrow_mut().inside.take()) {
-        Some(Inside::Forward(draws)) => draws,
-        _ => Vec::new(),
-    };
-    (out, draws)
+    TAPE.with(|t| t.borrow_mut().ever_ran = true);
+    inside(|| replay::recording(f))
 }
 
 /// Runs `f` as a segment's recompute, replaying `draws`; returns its result and how many
 /// draws it did not replay (a forward that drew more than the recompute does).
 pub(crate) fn recompute<T>(draws: Vec<RngState>, f: impl FnOnce() -> T) -> (T, usize) {
-    TAPE.with(|t| t.borrow_mut().inside = Some(Inside::Recompute(draws.into())));
-    let out = Leave.run(f);
-    let left = match TAPE.with(|t| t.borrow_mut().inside.take()) {
-        Some(Inside::Recompute(left)) => left.len(),
-        _ => 0,
-    };
-    (out, left)
+    inside(|| replay::replaying(draws, f))
 }
 
-/// Leaves the segment when dropped, so that a panic inside one does not leave the thread
-/// inside it.
-struct Leave;
-
-impl Leave {
-    fn run<T>(self, f: impl FnOnce() -> T) -> T {
-        f()
-    }
-}
-
-impl Drop for Leave {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
+/// Runs `f` as a segment: a segment inside it runs as part of it. Leaves the segment also when
+/// `f` panics.
+fn inside<T>(f: impl FnOnce() -> T) -> T {
+    struct Leave;
+    impl Drop for Leave {
+        fn drop(&mut self) {
             TAPE.with(|t| {
                 if let Ok(mut t) = t.try_borrow_mut() {
-                    t.inside = None;
+                    t.inside = false;
                 }
             });
         }
     }
+    TAPE.with(|t| t.borrow_mut().inside = true);
+    let _leave = Leave;
+    f()
 }
 
 /// Adds a recorded segment.
@@ -155,21 +126,4 @@ pub(crate) fn push(segment: Segment) {
 /// Takes every segment recorded since the last backward, in forward order.
 pub(crate) fn take() -> Vec<Segment> {
     TAPE.with(|t| std::mem::take(&mut t.borrow_mut().segments))
-}
-
-/// How a generator at `state` should draw now: `None` to draw from itself (outside segments,
-/// and in a segment's forward, where the state is logged), or the state a recompute replays.
-/// `Err` when a recompute draws more often than its forward did.
-pub(crate) fn draw_from(state: RngState) -> Result<Option<RngState>, ()> {
-    TAPE.with(|t| {
-        let mut t = t.borrow_mut();
-        match &mut t.inside {
-            None => Ok(None),
-            Some(Inside::Forward(draws)) => {
-                draws.push(state);
-                Ok(None)
-            }
-            Some(Inside::Recompute(draws)) => draws.pop_front().map(Some).ok_or(()),
-        }
-    })
 }

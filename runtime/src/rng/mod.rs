@@ -1,6 +1,8 @@
 //! Seeded, saveable randomness: candle's CPU generator cannot be seeded or saved, so anything
 //! random that affects training draws from here instead.
 
+pub(crate) mod replay;
+
 use crate::error::{Error, Result};
 use candle_core::{Device, Shape, Tensor};
 use candle_nn::init::NormalOrUniform;
@@ -107,7 +109,7 @@ impl Rng {
     /// ([`crate::activations`]): the recompute draws what the forward drew, and this
     /// generator does not advance a second time.
     fn replayable<T>(&mut self, draw: impl FnOnce(&mut Rng) -> T) -> Result<T> {
-        match crate::activations::draw_from(self.state()) {
+        match replay::draw_from(self.state()) {
             Ok(None) => Ok(draw(self)),
             Ok(Some(state)) => Ok(draw(&mut Rng::from_state(state))),
             Err(()) => Err(Error::Usage(
