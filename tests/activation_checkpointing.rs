@@ -42,6 +42,7 @@ fn two_checkpointed_ranks_with_accumulation_and_clipping_equal_plain_candle_at_e
         let mut all = args.to_vec();
         all.push(&sharding);
         let reports = run(2, &all, &format!("clip-{stage}"));
+        assert_eq!(reports.len(), 2, "sharding={stage}: every rank reports");
         for r in &reports {
             let diff = reference::max_diff(&common::params(r), &expected);
             assert!(diff <= 1e-6, "sharding={stage}: {diff} from plain candle");
@@ -99,6 +100,11 @@ fn two_ranks_in_bf16_with_dropout_train_bit_for_bit_as_without_checkpointing() {
     let mut on = args.to_vec();
     on.push("ckpt=1");
     let checkpointed = run(2, &on, "bf16-on");
+    assert_eq!(
+        (plain.len(), checkpointed.len()),
+        (2, 2),
+        "every rank reports"
+    );
     for (r, (a, b)) in plain.iter().zip(&checkpointed).enumerate() {
         let (a, b) = (common::params(a), common::params(b));
         assert_eq!(a, b, "rank {r}: weights differ with checkpointing");
@@ -130,6 +136,11 @@ fn fp16_with_loss_scaling_and_the_overlapped_sync_train_bit_for_bit_as_without_c
         let args = [&base[..], extra].concat();
         let plain = run(2, &args, &format!("{tag}-plain"));
         let checkpointed = run(2, &[&args[..], &["ckpt=1"]].concat(), &format!("{tag}-on"));
+        assert_eq!(
+            (plain.len(), checkpointed.len()),
+            (2, 2),
+            "{tag}: every rank reports"
+        );
         for (r, (a, b)) in plain.iter().zip(&checkpointed).enumerate() {
             let (a, b) = (common::params(a), common::params(b));
             assert_eq!(a, b, "{tag}, rank {r}: weights differ with checkpointing");

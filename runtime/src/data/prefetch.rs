@@ -2,10 +2,9 @@
 //! the loader asks for the next few planned batches, worker threads build them with the
 //! dataset's `get_batch`, and the loader takes each in plan order when the loop reaches it.
 //!
-//! The loop does not sit idle while it waits: it builds a batch no worker has started yet
-//! itself (the one it needs first), so prefetching a dataset that builds batches faster than
-//! the hand-off to a thread costs little (a token file read in order) stays as fast as no
-//! prefetching at all.
+//! The loop does not sit idle while it waits: it builds itself the batches no worker has
+//! started yet (the one it needs first), so prefetching a dataset whose batches cost less than
+//! a hand-off to a thread (a token file read in order) is not slower than no prefetching.
 //!
 //! Nothing about the order or the position changes: a batch counts as handed out only when it
 //! is taken, an error reaches the loop at the batch it belongs to, batches built for a plan
