@@ -21,9 +21,10 @@ impl Accelerator {
         };
         if !crate::activations::ever_ran() {
             return Err(Error::Usage(format!(
-                "{} is on, but no forward pass ran a checkpointed segment: nothing would be \
-                 recomputed. Run each block through ivme::activations::checkpoint(&x, move |x| \
-                 block.forward(x)), use a model from ivme::models, or turn {} off",
+                "{} is on, but no forward pass ran a checkpointed segment on the thread that \
+                 built the Accelerator: nothing would be recomputed. Run each block through \
+                 ivme::activations::checkpoint(&x, move |x| block.forward(x)) on that thread, \
+                 use a model from ivme::models, or turn {} off",
                 ivme_settings::ACTIVATION_CHECKPOINTING.name,
                 ivme_settings::ACTIVATION_CHECKPOINTING.name,
             )));
