@@ -275,9 +275,10 @@ pub fn questionnaire(p: &mut dyn Prompter) -> Result<Settings> {
     )?;
     c.gradient_accumulation_steps = k.parse().ok();
     if c.num_processes.unwrap_or(1) > 1 {
-        let stages = ["no", "optimizer", "gradients"];
+        let stages = ["no", "optimizer", "gradients", "parameters"];
         let i = p.select(
-            "Shard across the processes (ZeRO: optimizer = stage 1, gradients = stage 2)?",
+            "Shard across the processes (ZeRO: optimizer = stage 1, gradients = stage 2, \
+             parameters = stage 3)?",
             &stages,
             0,
         )?;

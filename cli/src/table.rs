@@ -121,11 +121,12 @@ settings! {
         file: true, show: text, default: || Some(Precision::No),
     }
     sharding = SHARDING: Sharding {
-        label: "sharding (ZeRO)", code: "`.sharding(..)` / `zero = 1 \\| 2`", flag: Some(Flag {
-            value_name: "no|optimizer|gradients",
-            help: "ZeRO sharding stage (or 0|1|2), passed as IVME_SHARDING",
+        label: "sharding (ZeRO)", code: "`.sharding(..)` / `zero = 1 \\| 2 \\| 3`", flag: Some(Flag {
+            value_name: "no|optimizer|gradients|parameters",
+            help: "ZeRO sharding stage (or 0|1|2|3), passed as IVME_SHARDING",
         }),
-        example: "gradients", parse: values::sharding, want: "one of no, optimizer, gradients",
+        example: "gradients", parse: values::sharding,
+        want: "one of no, optimizer, gradients, parameters",
         env: Some(Env { read: true, to_ranks: passed }),
         file: true, show: text, default: || Some(Sharding::No),
     }

@@ -4,7 +4,7 @@
 //!
 //! Arguments are `key=value`: `steps=K` micro-steps in all, `batch=B` samples per rank and
 //! micro-step (micro-step k of rank r takes samples from `(k·W + r)·B`), `accum=A`,
-//! `lr=F`, `sharding=no|optimizer|gradients`, `buffers=broadcast|average|local` (else the
+//! `lr=F`, `sharding=no|optimizer|gradients|parameters`, `buffers=broadcast|average|local` (else the
 //! launcher's), `precision=no|bf16|fp16`, `save_at=K dir=DIR` (save the state after micro-step
 //! K), `resume=DIR` (load it first), `model_out=DIR` (`save_model` at the end), `out=DIR`,
 //! `ema=1` (a moving average of the inputs, `ema.seen`, kept in the model's `VarMap` and never
@@ -119,11 +119,21 @@ fn main() -> ivme::Result<()> {
         Err(_) if acc.precision() != Precision::No => Vec::new(),
         Err(e) => return Err(e.into()),
     };
+    // Under ZeRO-3 the layers' weights exist only inside their segments: read them whole
+    // from every process's slice.
+    let params: BTreeMap<String, Vec<f32>> = match acc.sharding() {
+        Sharding::Parameters => acc
+            .whole_masters()?
+            .into_iter()
+            .map(|(k, t)| Ok((k, t.flatten_all()?.to_vec1::<f32>()?)))
+            .collect::<candle_core::Result<_>>()?,
+        _ => cnn::values(&varmap)?,
+    };
     if let Some(out) = args.get("out") {
         std::fs::create_dir_all(out).expect("creating the report folder");
         let report = serde_json::json!({
             "rank": rank,
-            "params": cnn::values(&varmap)?,
+            "params": params,
             "buffers": acc.buffer_names(),
             "eval": eval,
         });

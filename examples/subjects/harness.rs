@@ -46,7 +46,8 @@ impl Module for Mlp {
     // directly otherwise.
     fn forward(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
         let (a, dropout) = (self.a.clone(), self.dropout.clone());
-        let h = ivme::activations::checkpoint(xs, move |x| {
+        // Under ZeRO-3 each layer's weights (`a.…`, `b.…`) are gathered for its segment.
+        let h = ivme::activations::segment(xs, "a", move |x| {
             let mut h = a.forward(x)?.tanh()?;
             if let Some((p, rng)) = &dropout {
                 h = rng.lock().dropout(&h, *p)?;
@@ -54,7 +55,7 @@ impl Module for Mlp {
             Ok(h)
         })?;
         let b = self.b.clone();
-        ivme::activations::checkpoint(&h, move |h| b.forward(h))
+        ivme::activations::segment(&h, "b", move |h| b.forward(h))
     }
 }
 
@@ -129,6 +130,7 @@ impl Opt {
 
 fn main() -> ivme::Result<()> {
     let args = Args::parse();
+    let zero3 = args.str("sharding", "no").parse::<Sharding>()? == Sharding::Parameters;
     let precision: Precision = args.str("precision", "no").parse()?;
     let mut builder = Accelerator::builder()
         .grad_accum(args.get("accum", 1))
@@ -299,7 +301,7 @@ fn main() -> ivme::Result<()> {
                 "norm": norm,
                 "out_dtype": format!("{:?}", out.dtype()),
                 "loss": loss.to_dtype(DType::F32)?.to_scalar::<f32>()?,
-                "param_sum": param_sum(&acc)?,
+                "param_sum": param_sum(&acc, zero3)?,
             }));
             micro_index += 1;
             let done = {
@@ -325,11 +327,12 @@ fn main() -> ivme::Result<()> {
     if let Some(dir) = args.0.get("model_out") {
         acc.save_model(std::path::Path::new(dir), None)?;
     }
-    let params: BTreeMap<String, Vec<f32>> = acc
-        .named_master_vars()
+    // Under ZeRO-3 the blocks' weights are read whole from every process's slice.
+    let weights = weights(&acc, zero3)?;
+    let params: BTreeMap<String, Vec<f32>> = weights
         .into_iter()
-        .map(|(k, v)| {
-            let t = v.as_tensor().to_dtype(DType::F32)?;
+        .map(|(k, t)| {
+            let t = t.to_dtype(DType::F32)?;
             Ok((k, t.flatten_all()?.to_vec1::<f32>()?))
         })
         .collect::<candle_core::Result<_>>()?;
@@ -362,11 +365,26 @@ fn main() -> ivme::Result<()> {
     Ok(())
 }
 
+/// The weights by name: under ZeRO-3 (`zero3`) the f32 masters put together from every
+/// process's slice (a collective), otherwise the variables the model computes with.
+fn weights(acc: &Accelerator, zero3: bool) -> ivme::Result<Vec<(String, Tensor)>> {
+    Ok(match zero3 {
+        true => acc.whole_masters()?,
+        false => acc
+            .named_master_vars()
+            .into_iter()
+            .map(|(k, v)| (k, v.as_tensor().clone()))
+            .collect(),
+    })
+}
+
 /// A fingerprint of the master weights, to see on which micro-steps they change.
-fn param_sum(acc: &Accelerator) -> ivme::Result<f64> {
+/// Under ZeRO-3 (`zero3`) they are put together from every process's slice.
+fn param_sum(acc: &Accelerator, zero3: bool) -> ivme::Result<f64> {
+    let weights = weights(acc, zero3)?;
     let mut s = 0f64;
-    for (_, v) in acc.named_master_vars() {
-        let t = v.as_tensor().to_dtype(DType::F32)?;
+    for (_, t) in weights {
+        let t = t.to_dtype(DType::F32)?;
         s += t.abs()?.sum_all()?.to_scalar::<f32>()? as f64;
     }
     Ok(s)

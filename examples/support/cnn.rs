@@ -46,14 +46,28 @@ impl Cnn {
 }
 
 impl ModuleT for Cnn {
+    /// Each layer is a segment named by its variables' prefix: checkpointed when ivme runs
+    /// with activation checkpointing, and under ZeRO-3 its weights gathered for it; plain
+    /// layers otherwise (plain candle, the reference).
     fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
-        let h = self.bn1.forward_t(&self.conv.forward(x)?, train)?.relu()?;
-        let h = h.avg_pool2d(2)?.flatten_from(1)?;
-        let mut h = self.bn2.forward_t(&self.fc1.forward(&h)?, train)?.relu()?;
-        if let (true, Some((p, rng))) = (train, &self.dropout) {
-            h = rng.lock().dropout(&h, *p)?;
-        }
-        self.fc2.forward(&h)
+        use ivme::activations::segment;
+        let (conv, bn1) = (self.conv.clone(), self.bn1.clone());
+        let h = segment(x, "conv", move |x| conv.forward(x))?;
+        let h = segment(&h, "bn1", move |h| {
+            let h = bn1.forward_t(h, train)?.relu()?;
+            h.avg_pool2d(2)?.flatten_from(1)
+        })?;
+        let (fc1, bn2, dropout) = (self.fc1.clone(), self.bn2.clone(), self.dropout.clone());
+        let h = segment(&h, "fc1", move |h| fc1.forward(h))?;
+        let h = segment(&h, "bn2", move |h| {
+            let mut h = bn2.forward_t(h, train)?.relu()?;
+            if let (true, Some((p, rng))) = (train, &dropout) {
+                h = rng.lock().dropout(&h, *p)?;
+            }
+            Ok(h)
+        })?;
+        let fc2 = self.fc2.clone();
+        segment(&h, "fc2", move |h| fc2.forward(h))
     }
 }
 

@@ -127,7 +127,7 @@ table! {
         builder: Some("snapshot_every"), attribute: Some("snapshot_every"), example: "10",
         launch: Some("snapshot_every"), var: var(vars::SNAPSHOT_EVERY),
     }
-    /// ZeRO sharding: no, optimizer (stage 1) or gradients (stage 2); docs/sharding.md.
+    /// ZeRO sharding: no, optimizer (1), gradients (2) or parameters (3); docs/sharding.md.
     Sharding SHARDING {
         name: "sharding", ty: "Sharding", default: "no", builder: Some("sharding"),
         attribute: Some("zero"), aliases: &["zero_stage", "sharding"], example: "2",

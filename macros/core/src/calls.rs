@@ -122,6 +122,7 @@ impl Config {
             let variant = match s.value {
                 1 => "Optimizer",
                 2 => "Gradients",
+                3 => "Parameters",
                 _ => "No",
             };
             let variant = syn::Ident::new(variant, s.span);

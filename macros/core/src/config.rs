@@ -147,6 +147,21 @@ pub(crate) fn parse(attr: TokenStream) -> Result<Config, syn::Error> {
             ),
         ));
     }
+    if let (Some(a), Some(z)) = (&config.activation_checkpointing, &config.zero) {
+        if !a.value && z.value == 3 {
+            errors.push(syn::Error::new(
+                a.span,
+                format!(
+                    "`{} = 3` gathers each block's weights for its checkpointed segment and \
+                     frees them after, so it needs activation checkpointing (which it turns \
+                     on): remove `{} = false`, or use `{} = 2`",
+                    key(&table::SHARDING),
+                    key(&table::ACTIVATION_CHECKPOINTING),
+                    key(&table::SHARDING)
+                ),
+            ));
+        }
+    }
     if let (Some(o), Some(z)) = (&config.overlap, &config.zero) {
         if o.value && z.value > 0 {
             errors.push(syn::Error::new(
@@ -424,7 +439,13 @@ mod tests {
 
     #[test]
     fn zero_is_a_stage_that_becomes_the_sharding_builder_call() {
-        for (stage, variant) in [(0u8, "No"), (1, "Optimizer"), (2, "Gradients")] {
+        let stages = [
+            (0u8, "No"),
+            (1, "Optimizer"),
+            (2, "Gradients"),
+            (3, "Parameters"),
+        ];
+        for (stage, variant) in stages {
             let lit = proc_macro2::Literal::u8_unsuffixed(stage);
             let calls = parse(quote!(zero = #lit))
                 .unwrap()
@@ -435,8 +456,14 @@ mod tests {
                 "{calls}"
             );
         }
-        let errs = errors_of(quote!(zero = 3));
-        assert!(errs[0].contains("must be 0, 1 or 2"), "{errs:?}");
+        let errs = errors_of(quote!(zero = 4));
+        assert!(errs[0].contains("must be 0, 1, 2 or 3"), "{errs:?}");
+        let errs = errors_of(quote!(zero = 3, activation_checkpointing = false));
+        assert!(
+            errs[0].contains("needs activation checkpointing"),
+            "{errs:?}"
+        );
+        assert!(parse(quote!(zero = 3, activation_checkpointing = true)).is_ok());
         let errs = errors_of(quote!(zero = "2"));
         assert!(errs[0].contains("e.g. `zero = 2`"), "{errs:?}");
         let errs = errors_of(quote!(zero_stage = 2));

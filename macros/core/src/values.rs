@@ -221,16 +221,17 @@ pub(crate) fn flops_per_sample(value: &Expr) -> syn::Result<f64> {
     }
 }
 
-/// `zero = 0 | 1 | 2`: the ZeRO stage (0 none, 1 optimizer state, 2 also gradients).
+/// `zero = 0 | 1 | 2 | 3`: the ZeRO stage (0 none, 1 optimizer state, 2 also gradients, 3
+/// also the weights of checkpointed blocks).
 pub(crate) fn zero_stage(value: &Expr) -> syn::Result<u8> {
     let msg = "`zero` is the ZeRO sharding stage: 0 (none), 1 (masters and optimizer state \
-               split across processes) or 2 (gradients too), e.g. `zero = 2`";
+               split across processes), 2 (gradients too) or 3 (the blocks' weights too), e.g. `zero = 2`";
     match literal(value) {
         Some((Lit::Int(i), false)) => match i.base10_parse::<u8>() {
-            Ok(n) if n <= 2 => Ok(n),
+            Ok(n) if n <= 3 => Ok(n),
             _ => Err(syn::Error::new_spanned(
                 value,
-                "`zero` must be 0, 1 or 2 (stage 3, sharded weights, is not supported)",
+                "`zero` must be 0, 1, 2 or 3 (3: the blocks' weights sharded too)",
             )),
         },
         _ => Err(syn::Error::new_spanned(value, msg)),

@@ -30,6 +30,7 @@ impl Accelerator {
             )));
         }
         let verify = segments.verify_once();
+        self.check_units_ran()?;
         // A recompute runs BatchNorm's forward again: its statistics are put back after.
         let buffers = self.training.buffer_values()?;
         let recomputed = crate::activations::backward(loss, verify)?;

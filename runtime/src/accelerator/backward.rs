@@ -48,7 +48,7 @@ impl Accelerator {
             started,
             recomputed,
         };
-        let taken = sync::take(&mut self.training, &self.sync, &self.comm, micro)?;
+        let taken = sync::take(&mut self.training, &self.sync, &*self.comm, micro)?;
         if let Some(began) = taken.sync_began {
             self.mixed.end_step(taken.grads.found_overflow())?;
             self.agree_on_stop()?;

@@ -240,6 +240,7 @@ impl AcceleratorBuilder {
         let snapshot_every = self.resolve_snapshot_every()?;
         let (state, comm) = join(step.cpu, &comm_options)?;
         check_precision(step.precision, &state.device)?;
+        super::zero3::check_device(step.sharding, &state.device)?;
         if step.overlap {
             let overlap = crate::train::sync::overlap_warnings;
             warnings.extend(overlap(state.world_size, state.local_world_size, &*comm));
@@ -268,9 +269,11 @@ impl AcceleratorBuilder {
         }
         let sync = self.sync_settings(&step)?;
         let rank = state.rank;
+        // Stage 3 gathers the blocks' weights per checkpointed segment.
+        let checkpointing = step.checkpointing || step.sharding == crate::Sharding::Parameters;
         Ok(Accelerator {
             state,
-            comm,
+            comm: std::rc::Rc::new(comm),
             sync,
             mixed: crate::precision::MixedPrecision::new(step.precision, self.initial_loss_scale),
             training,
@@ -282,7 +285,8 @@ impl AcceleratorBuilder {
             preempt: Default::default(),
             step_times_every,
             profiling,
-            segments: step.checkpointing.then(crate::activations::Segments::start),
+            segments: checkpointing.then(crate::activations::Segments::start),
+            zero3: None,
         })
     }
 

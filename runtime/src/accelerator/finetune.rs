@@ -31,7 +31,7 @@ impl Accelerator {
     /// # let _ = (body, head); Ok(()) }
     /// ```
     pub fn load_base(&self, folder: impl AsRef<Path>) -> Result<Base> {
-        Base::open(folder.as_ref(), &self.comm, self.finetune.clone())
+        Base::open(folder.as_ref(), &*self.comm, self.finetune.clone())
     }
 
     /// A `VarBuilder` for building a model over `base`: a name the base holds is handed out
@@ -143,7 +143,7 @@ impl Accelerator {
         self.wait_for_everyone()?;
         let mut tensors: Vec<(String, Tensor)> = Vec::new();
         for m in self.training.models() {
-            for (i, value) in m.whole_masters(&self.comm)?.into_iter().enumerate() {
+            for (i, value) in m.whole_masters(&*self.comm)?.into_iter().enumerate() {
                 if m.trains(i) {
                     tensors.push((m.names()[i].clone(), value));
                 }

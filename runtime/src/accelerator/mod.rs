@@ -40,6 +40,7 @@ mod slow_data;
 mod snapshots;
 mod step_times;
 mod tools;
+mod zero3;
 
 /// The entry point: knows the distributed setup and drives gradients, precision and data.
 ///
@@ -53,7 +54,7 @@ pub struct Accelerator {
     /// Who this process is, and on which device.
     state: ProcessState,
     /// The communicator for that device (the identity in a world of one), counted.
-    comm: Counted,
+    comm: std::rc::Rc<Counted>,
     /// How windows end: the sync strategy, bucket size and clipping (sync.rs).
     sync: crate::train::sync::SyncSettings,
     /// Mixed precision: policy, loss scaler, NaN-loss guard, exact initial values.
@@ -76,6 +77,8 @@ pub struct Accelerator {
     profiling: Option<profile::Profiling>,
     /// Activation checkpointing, when on: the thread's segments are recorded and recomputed.
     segments: Option<crate::activations::Segments>,
+    /// ZeRO-3's units, once a model is prepared under it (zero3.rs).
+    zero3: Option<zero3::Zero3>,
 }
 
 impl std::fmt::Debug for Accelerator {
@@ -151,7 +154,7 @@ impl Accelerator {
     }
     /// The communicator, for collectives of your own.
     pub fn comm(&self) -> &dyn Communicator {
-        &self.comm
+        &*self.comm
     }
     /// How many collectives this process has run so far.
     pub fn collective_count(&self) -> u64 {
@@ -268,7 +271,14 @@ impl Accelerator {
         Autocast::new(dtype)
     }
 
+    /// How much of the training state each process holds (the ZeRO stage).
+    pub fn sharding(&self) -> crate::Sharding {
+        self.sync.sharding()
+    }
+
     /// The prepared models' variables by name: (name, f32 master) pairs, sorted by name.
+    /// Under ZeRO-3 a block's variables hold no elements outside its segment: read the
+    /// weights with [`whole_masters`](Self::whole_masters) there.
     pub fn named_master_vars(&self) -> Vec<(String, Var)> {
         self.training.named_master_vars()
     }

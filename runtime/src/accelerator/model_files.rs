@@ -17,16 +17,25 @@ impl Accelerator {
         self.wait_for_everyone()?;
         // Under sharding the f32 masters are put together from every process's slice (the
         // model's weights may be rounded to the compute dtype).
-        let mut tensors: Vec<(String, Tensor)> = Vec::new();
-        for m in self.training.models() {
-            tensors.extend(m.names().iter().cloned().zip(m.whole_masters(&self.comm)?));
-        }
+        let tensors = self.whole_masters()?;
         let written = if self.is_main_process() {
             save_model(&tensors, dir, shard).map(|_| ())
         } else {
             Ok(())
         };
         self.agree("saving the model", written)
+    }
+
+    /// Every prepared model's f32 master weights, whole, by name (model by model, in name
+    /// order). Under sharding they are put together from every process's slice: a collective
+    /// that every process calls. Under ZeRO-3 this, not the `VarMap`, is where a block's
+    /// weights can be read: its variables hold no elements outside the block's segment.
+    pub fn whole_masters(&self) -> Result<Vec<(String, Tensor)>> {
+        let mut tensors: Vec<(String, Tensor)> = Vec::new();
+        for m in self.training.models() {
+            tensors.extend(m.names().iter().cloned().zip(m.whole_masters(&*self.comm)?));
+        }
+        Ok(tensors)
     }
 
     /// Loads a model file or folder (single or sharded) into the prepared models' weights on
@@ -48,7 +57,7 @@ impl Accelerator {
         let mut standins = Vec::with_capacity(self.training.models().len());
         let mut vars = Vec::new();
         for m in self.training.models() {
-            let (keyed, standin) = m.load_targets(&key)?;
+            let (keyed, standin) = m.load_targets(&*self.comm, &key)?;
             vars.extend(keyed);
             standins.push(standin);
         }

@@ -71,8 +71,11 @@ impl Accelerator {
                 buffer,
             });
         }
-        crate::train::frozen::check_equal(&self.comm, &unsent)?;
-        let shard = self.slice_of(&vars, &full)?;
+        crate::train::frozen::check_equal(&*self.comm, &unsent)?;
+        let mut shard = self.slice_of(&vars, &full)?;
+        if let Some(shard) = shard.as_mut() {
+            self.add_units(shard, &vars);
+        }
         self.training.add_model(ParamSet::new(vars, shard));
         Ok(())
     }

@@ -177,7 +177,7 @@ impl Accelerator {
     /// process's model weights. Every rank calls it, after all of them applied the load.
     pub(crate) fn gather_loaded_slices(&self) -> Result<()> {
         for m in self.training.models() {
-            m.gather_slice(&self.comm, self.sync.bucket_bytes())?;
+            m.gather_slice(&*self.comm, self.sync.bucket_bytes())?;
         }
         Ok(())
     }

@@ -35,7 +35,7 @@
 //! let blocks: Vec<Linear> = (0..4)
 //!     .map(|i| linear(64, 64, vb.pp(format!("block{i}"))))
 //!     .collect::<candle_core::Result<_>>()?;
-//! acc.prepare(&varmap)?;
+//! acc.prepare(varmap.clone())?;
 //! let mut h = Tensor::ones((8, 64), DType::F32, acc.device())?;
 //! for block in &blocks {
 //!     let block = block.clone(); // the segment owns what it runs again (weights are shared)
@@ -49,9 +49,25 @@ mod recompute;
 mod tape;
 
 pub(crate) use recompute::backward;
-pub(crate) use tape::ever_ran;
+pub(crate) use tape::{ever_ran, WeightsInstalled};
 
+use crate::error::Result;
+use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};
+
+/// What ZeRO-3 does around a segment's runs: the Accelerator installs it on the thread that
+/// built it (train/sync/gathered.rs), and segments call it, so the two know nothing else of
+/// each other.
+pub(crate) trait UnitWeights {
+    /// Makes the weights of `unit` whole for a run of its segment (a collective). They stay
+    /// whole until [`release`](Self::release) or [`scatter`](Self::scatter).
+    fn gather(&self, unit: &str) -> Result<()>;
+    /// Frees the weights of every unit gathered since the last release.
+    fn release(&self) -> Result<()>;
+    /// Takes those units' gradients out of `store` into this process's slices (a
+    /// reduce-scatter), then frees their weights.
+    fn scatter(&self, store: &mut GradStore) -> Result<()>;
+}
 
 /// Runs `f` on `x` as a checkpointed segment: its activations are dropped once it has run and
 /// computed again during `backward`. Without checkpointing on this thread, or inside another
@@ -64,10 +80,41 @@ pub fn checkpoint<F>(x: &Tensor, f: F) -> candle_core::Result<Tensor>
 where
     F: Fn(&Tensor) -> candle_core::Result<Tensor> + 'static,
 {
+    run_segment(x, None, f)
+}
+
+/// [`checkpoint`] for a segment whose weights are the variables named `unit.…` (a block's
+/// `VarMap` prefix, such as `model.layers.3`): under ZeRO-3
+/// ([`Sharding::Parameters`](crate::Sharding::Parameters)) each process holds only its slice
+/// of them, and they are gathered whole just before each run of the segment (its forward and
+/// its recompute), freed after it, and their gradients reduce-scattered into the slices as
+/// soon as the segment's backward ends. Under other stages the name is only a label.
+///
+/// The weights exist only inside the segment: code outside it must not read them (save and
+/// load through the Accelerator, which knows where they are).
+pub fn segment<F>(x: &Tensor, unit: &str, f: F) -> candle_core::Result<Tensor>
+where
+    F: Fn(&Tensor) -> candle_core::Result<Tensor> + 'static,
+{
+    run_segment(x, Some(unit), f)
+}
+
+fn run_segment<F>(x: &Tensor, unit: Option<&str>, f: F) -> candle_core::Result<Tensor>
+where
+    F: Fn(&Tensor) -> candle_core::Result<Tensor> + 'static,
+{
+    let weights = unit.and_then(|u| tape::weights().map(|w| (u, w)));
+    if let Some((u, w)) = &weights {
+        w.gather(u)?;
+    }
     if !tape::records() {
+        // Inside another segment: its end frees what this one gathered.
         return f(x);
     }
     let (out, draws) = tape::forward(|| f(x));
+    if let Some((_, w)) = &weights {
+        w.release()?;
+    }
     let out = out?;
     if !out.track_op() {
         // Nothing in the segment or before it trains (a frozen base): no gradient flows here,
@@ -81,6 +128,7 @@ where
         input: x.clone(),
         output,
         run: Box::new(f),
+        unit: unit.map(str::to_string),
         draws,
     });
     Ok(handed_on)

@@ -30,6 +30,7 @@ impl Recomputed {
 /// Segments the loss does not reach (an evaluation's) are dropped.
 pub(crate) fn backward(loss: &Tensor, verify: bool) -> Result<Recomputed> {
     let segments = tape::take();
+    let weights = tape::weights();
     let mut store = detached(loss.backward()?);
     let mut spans = Vec::new();
     let count = segments.len();
@@ -38,14 +39,26 @@ pub(crate) fn backward(loss: &Tensor, verify: bool) -> Result<Recomputed> {
             input,
             output,
             run,
+            unit,
             draws,
         } = segment;
         let Some(grad) = store.remove(output.as_tensor()) else {
             continue;
         };
         let began = Instant::now();
+        if let (Some(w), Some(unit)) = (&weights, &unit) {
+            w.gather(unit)?;
+        }
         let (again, left) = tape::recompute(draws, || run(&input));
-        let again = again.map_err(|e| refused(k, count, &format!("its recompute failed: {e}")))?;
+        let again = match again {
+            Ok(again) => again,
+            Err(e) => {
+                if let Some(w) = &weights {
+                    w.release()?;
+                }
+                return Err(refused(k, count, &format!("its recompute failed: {e}")));
+            }
+        };
         if left > 0 {
             return Err(refused(
                 k,
@@ -64,6 +77,10 @@ pub(crate) fn backward(loss: &Tensor, verify: bool) -> Result<Recomputed> {
         let mut part = (again * &seed)?.sum_all()?.backward()?;
         // candle gives `seed` a gradient too (`again` itself, graph and all): not wanted.
         part.remove(&seed);
+        if let Some(w) = &weights {
+            // ZeRO-3: the units' gradients go to their slices now, and their weights go.
+            w.scatter(&mut part)?;
+        }
         store.extend(detached(part))?;
     }
     Ok(Recomputed { store, spans })

@@ -2,9 +2,11 @@
 //! handed on, and the random draws it made, from its forward until the backward that recomputes
 //! it.
 
+use super::UnitWeights;
 use crate::rng::{replay, RngState};
 use candle_core::{Tensor, Var};
 use std::cell::RefCell;
+use std::rc::Rc;
 
 /// A segment's forward, kept to be run again in backward.
 pub(crate) type Run = Box<dyn Fn(&Tensor) -> candle_core::Result<Tensor>>;
@@ -18,6 +20,8 @@ pub(crate) struct Segment {
     pub output: Var,
     /// The segment's forward.
     pub run: Run,
+    /// The unit whose weights the segment runs with (ZeRO-3 gathers them for each run).
+    pub unit: Option<String>,
     /// The state of each generator the forward drew from, in draw order: the recompute draws
     /// the same numbers.
     pub draws: Vec<RngState>,
@@ -34,6 +38,8 @@ struct Tape {
     ever_ran: bool,
     /// Whether a segment is running (its forward or its recompute).
     inside: bool,
+    /// ZeRO-3's hands on the units' weights, while an Accelerator sharding them lives.
+    weights: Option<Rc<dyn UnitWeights>>,
 }
 
 thread_local! {
@@ -70,6 +76,40 @@ impl Drop for Recording {
             }
         });
     }
+}
+
+/// Keeps `weights` as the thread's hands on the units' weights while it lives.
+pub(crate) struct WeightsInstalled {
+    thread: std::thread::ThreadId,
+}
+
+impl std::fmt::Debug for WeightsInstalled {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("WeightsInstalled")
+    }
+}
+
+impl WeightsInstalled {
+    /// Installs `weights` on this thread.
+    pub(crate) fn install(weights: Rc<dyn UnitWeights>) -> WeightsInstalled {
+        TAPE.with(|t| t.borrow_mut().weights = Some(weights));
+        WeightsInstalled {
+            thread: std::thread::current().id(),
+        }
+    }
+}
+
+impl Drop for WeightsInstalled {
+    fn drop(&mut self) {
+        if std::thread::current().id() == self.thread {
+            TAPE.with(|t| t.borrow_mut().weights = None);
+        }
+    }
+}
+
+/// The thread's hands on the units' weights, under ZeRO-3.
+pub(crate) fn weights() -> Option<Rc<dyn UnitWeights>> {
+    TAPE.with(|t| t.borrow().weights.clone())
 }
 
 /// Whether a segment run now would be recorded: checkpointing is on and no segment is running.

@@ -155,6 +155,7 @@ impl Module for LayerNorm {
 /// One post-norm encoder block (`bert.encoder.layer.N`).
 #[derive(Debug, Clone)]
 pub struct EncoderBlock {
+    unit: String,
     q: Proj,
     k: Proj,
     v: Proj,
@@ -174,6 +175,7 @@ impl EncoderBlock {
         let a = vb.pp("attention");
         let s = a.pp("self");
         Ok(EncoderBlock {
+            unit: vb.prefix(),
             q: Proj::new(h, h, true, s.pp("query"), lora)?,
             k: Proj::new(h, h, true, s.pp("key"), lora)?,
             v: Proj::new(h, h, true, s.pp("value"), lora)?,
@@ -309,7 +311,8 @@ impl Bert {
         for block in &self.blocks {
             h = if crate::activations::is_recording() {
                 let (block, attention) = (block.clone(), attention.clone());
-                crate::activations::checkpoint(&h, move |x| block.forward(x, &attention))?
+                let unit = block.unit.clone();
+                crate::activations::segment(&h, &unit, move |x| block.forward(x, &attention))?
             } else {
                 block.forward(&h, &attention)?
             };

@@ -40,6 +40,13 @@ impl BlockContext {
 
 /// One block of a decoder: hidden states in, hidden states out.
 pub trait Block {
+    /// The `VarMap` prefix of the block's weights (`model.layers.3`): the unit ZeRO-3 holds as
+    /// slices and gathers for the block's segment ([`crate::activations::segment`]). `None`
+    /// (the default) leaves the block's weights whole on every process.
+    fn unit(&self) -> Option<&str> {
+        None
+    }
+
     /// The block applied to hidden states `x` `(b, t, hidden)`.
     fn forward(&self, x: &Tensor, ctx: &BlockContext) -> Result<Tensor>;
 }
@@ -79,7 +86,8 @@ pub trait CausalLm {
 }
 
 /// Runs `block` on `h`: as a checkpointed segment ([`crate::activations`]) while activation
-/// checkpointing is on, directly otherwise.
+/// checkpointing is on (under ZeRO-3, with the block's [`unit`](Block::unit) gathered for
+/// it), directly otherwise.
 pub fn run_block<B>(block: &B, h: &Tensor, ctx: &BlockContext) -> Result<Tensor>
 where
     B: Block + Clone + 'static,
@@ -88,7 +96,10 @@ where
         return block.forward(h, ctx);
     }
     let (block, ctx) = (block.clone(), ctx.clone());
-    crate::activations::checkpoint(h, move |x| block.forward(x, &ctx))
+    match block.unit().map(str::to_string) {
+        Some(unit) => crate::activations::segment(h, &unit, move |x| block.forward(x, &ctx)),
+        None => crate::activations::checkpoint(h, move |x| block.forward(x, &ctx)),
+    }
 }
 
 /// An additive mask `(b, 1, 1, t)` from a 0/1 padding mask `(b, t)`: 0 where a key is kept,

@@ -80,11 +80,25 @@ pub enum Sharding {
     /// Stage 2: as stage 1, and gradients are reduce-scattered, so each process keeps only
     /// its slice of them after the sync.
     Gradients,
+    /// Stage 3: as stage 2, and the weights of each checkpointed segment's unit (a block,
+    /// named by its variables' prefix) are held as 1/N slices too: gathered just before the
+    /// segment runs (forward and recompute), freed after, their gradients reduce-scattered as
+    /// soon as the segment's backward ends. Implies activation checkpointing.
+    Parameters,
 }
 
 impl Sharding {
     /// The valid spellings, for error messages.
-    pub const VALID: &'static [&'static str] = &["no", "optimizer", "gradients", "0", "1", "2"];
+    pub const VALID: &'static [&'static str] = &[
+        "no",
+        "optimizer",
+        "gradients",
+        "parameters",
+        "0",
+        "1",
+        "2",
+        "3",
+    ];
 
     /// The spelling used in configs.
     pub fn as_str(self) -> &'static str {
@@ -92,6 +106,7 @@ impl Sharding {
             Sharding::No => "no",
             Sharding::Optimizer => "optimizer",
             Sharding::Gradients => "gradients",
+            Sharding::Parameters => "parameters",
         }
     }
 }
@@ -109,6 +124,7 @@ impl FromStr for Sharding {
             "no" | "none" | "0" => Ok(Sharding::No),
             "optimizer" | "1" | "zero1" => Ok(Sharding::Optimizer),
             "gradients" | "2" | "zero2" => Ok(Sharding::Gradients),
+            "parameters" | "3" | "zero3" => Ok(Sharding::Parameters),
             _ => Err(Error::config(
                 table::SHARDING.name,
                 s,

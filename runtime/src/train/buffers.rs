@@ -125,6 +125,8 @@ impl ParamSet {
         }
         let candidates: Vec<usize> = (0..self.names.len())
             .filter(|&i| !self.buffer[i] && self.sums[i].is_none() && !self.reached[i])
+            // A stage-3 unit's variables are gathered per segment: they are not buffers.
+            .filter(|&i| !self.in_unit(i))
             .collect();
         if candidates.is_empty() {
             return Ok(Vec::new());

@@ -6,6 +6,7 @@ use crate::error::Result;
 use crate::optim::parts::PartStepper;
 use crate::train::bucket::SyncBuffers;
 use crate::train::shard::Sharded;
+use crate::train::sync::gathered::Units;
 
 pub(crate) use crate::train::params_prepare::NewVariable;
 use candle_core::backprop::GradStore;
@@ -95,10 +96,21 @@ impl ParamSet {
             .any(|(c, m)| c.as_tensor().id() != m.as_tensor().id())
     }
 
+    /// Under stage 3, the units whose weights are gathered per segment (sync/gathered.rs).
+    pub(crate) fn units(&self) -> Option<std::cell::Ref<'_, Units>> {
+        Some(self.shard.as_ref()?.units.as_ref()?.borrow())
+    }
+
+    /// Whether variable `i` belongs to a stage-3 unit (its weights are gathered on demand).
+    pub(crate) fn in_unit(&self, i: usize) -> bool {
+        self.units().is_some_and(|u| u.member(i))
+    }
+
     /// Adds this backward's gradients to the window's sums; returns whether any variable of
-    /// this set received a gradient.
+    /// this set received a gradient (a stage-3 unit's arrived during the backward itself).
     pub(crate) fn accumulate(&mut self, store: &GradStore) -> Result<bool> {
-        let mut any = false;
+        let units = self.shard.as_ref().and_then(|s| s.units.as_ref());
+        let mut any = units.is_some_and(|u| u.borrow_mut().took_fresh());
         let some_trained = self.trained.iter().any(|t| *t);
         for (i, (var, sum)) in self.compute.iter().zip(self.sums.iter_mut()).enumerate() {
             if let Some(g) = store.get(var.as_tensor()) {
@@ -180,7 +192,12 @@ impl ParamSet {
     /// with the sync's buffers.
     pub(crate) fn held_bytes(&self) -> (usize, usize, usize) {
         use crate::observe::memory::bytes;
-        let weights = self.compute.iter().map(|v| bytes(v.as_tensor())).sum();
+        let units = self.units();
+        let freed = |i: usize| units.as_ref().is_some_and(|u| u.released(i));
+        let weights = (0..self.compute.len())
+            .filter(|&i| !freed(i))
+            .map(|i| bytes(self.compute[i].as_tensor()))
+            .sum();
         let masters = match &self.shard {
             Some(s) => s
                 .masters

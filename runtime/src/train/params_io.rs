@@ -106,6 +106,9 @@ impl ParamSet {
     /// [`gather_slice`](Self::gather_slice) spreads into the weights afterwards).
     pub(crate) fn apply_load(&mut self, sums: Vec<Option<Tensor>>, saved: ModelLoad) -> Result<()> {
         self.sums = sums;
+        if let Some(units) = self.shard.as_ref().and_then(|s| s.units.as_ref()) {
+            units.borrow_mut().clear_sums();
+        }
         match (&self.shard, saved) {
             (_, ModelLoad::Direct(file)) => {
                 direct::load_into(&file, &self.master)?;
@@ -138,9 +141,16 @@ impl ParamSet {
     /// Under sharding, writes every process's slice into the model's weights (a collective:
     /// every process calls it); nothing otherwise.
     pub(crate) fn gather_slice(&self, comm: &dyn Communicator, bucket_bytes: usize) -> Result<()> {
-        match &self.shard {
-            Some(shard) => shard.gather_into(comm, bucket_bytes, &self.compute, None),
-            None => Ok(()),
+        let Some(shard) = &self.shard else {
+            return Ok(());
+        };
+        match &shard.units {
+            // Stage 3's units are gathered by their segments, from the slices just loaded.
+            Some(units) => {
+                let skip = units.borrow().skip_mask(&vec![false; self.compute.len()]);
+                shard.gather_into(comm, bucket_bytes, &self.compute, Some(&skip))
+            }
+            None => shard.gather_into(comm, bucket_bytes, &self.compute, None),
         }
     }
 
@@ -171,7 +181,9 @@ impl ParamSet {
         path: std::path::PathBuf,
         expect: (u64, u32),
     ) -> Option<DirectFile> {
-        direct::fits(listed, &self.names, &self.master).then(|| DirectFile {
+        // Stage 3 frees the units' weights, which are the masters a direct read would fill.
+        let units = self.units().is_some();
+        (!units && direct::fits(listed, &self.names, &self.master)).then(|| DirectFile {
             path,
             expect,
             names: self.names.clone(),
@@ -315,11 +327,20 @@ impl ParamSet {
     /// leaves it out): the f32 masters, or under sharding (no process holds whole masters) f32
     /// stand-ins starting from the current weights, returned second for
     /// [`take_loaded`](Self::take_loaded).
+    /// Under stage 3 the stand-ins start from the whole masters (a collective: every process
+    /// loads), since the units' weights are freed.
     pub(crate) fn load_targets(
         &self,
+        comm: &dyn Communicator,
         key: impl Fn(&ParamSet, usize) -> Option<String>,
     ) -> Result<(Vec<(String, Var)>, Standins)> {
         let standins = match &self.shard {
+            Some(s) if s.units.is_some() => Some(
+                s.gathered(comm, &self.compute)?
+                    .iter()
+                    .map(|t| Ok(Var::from_tensor(t)?))
+                    .collect::<Result<Vec<Var>>>()?,
+            ),
             Some(_) => Some(
                 self.compute
                     .iter()
@@ -341,8 +362,10 @@ impl ParamSet {
         match (&self.shard, standins) {
             (Some(shard), Some(whole)) => {
                 shard.reslice(&whole)?;
-                for (c, w) in self.compute.iter().zip(&whole) {
-                    crate::precision::refresh_copy(c, w)?;
+                for (i, (c, w)) in self.compute.iter().zip(&whole).enumerate() {
+                    if !self.units().is_some_and(|u| u.released(i)) {
+                        crate::precision::refresh_copy(c, w)?;
+                    }
                 }
                 Ok(())
             }

@@ -37,8 +37,11 @@ impl Reach {
         self.seen.resize_with(models.len(), Vec::new);
         for (m, seen) in models.iter().zip(self.seen.iter_mut()) {
             seen.resize(m.compute.len(), false);
+            let units = m.units();
             for (i, var) in m.compute.iter().enumerate() {
-                if !seen[i] && store.get(var.as_tensor()).is_some() {
+                // A stage-3 unit's gradient left the store during backward (sync/gathered.rs).
+                let by_unit = units.as_ref().is_some_and(|u| u.reached(i));
+                if !seen[i] && (by_unit || store.get(var.as_tensor()).is_some()) {
                     seen[i] = true;
                 }
             }

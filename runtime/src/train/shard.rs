@@ -26,8 +26,11 @@ use crate::comm::Communicator;
 use crate::error::Result;
 use crate::optim::runs::Run;
 use crate::setup::config::Sharding;
+use crate::train::sync::gathered::Units;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Shape, Tensor, Var};
+use std::cell::RefCell;
+use std::rc::Rc;
 
 /// A run of one parameter's elements inside this process's slice.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -103,6 +106,8 @@ pub(crate) struct Sharded {
     pub runs: Vec<Option<Run>>,
     /// The prepared optimizer over `masters`, once there is one.
     pub stepper: Option<Stepper>,
+    /// Under stage 3, the units whose weights are gathered per segment (sync/gathered.rs).
+    pub units: Option<Rc<RefCell<Units>>>,
 }
 
 impl std::fmt::Debug for Sharded {
@@ -126,6 +131,7 @@ impl Sharded {
     /// This process's slice of `full` (each parameter's whole f32 value, which the model's
     /// variables `compute` already hold), as masters: the variable itself when it is f32
     /// (with the piece's run when the piece does not cover it), a new flat copy otherwise.
+    /// Under stage 3 every master is a copy: a unit's weights are freed between its segments.
     pub fn new(stage: Sharding, plan: Plan, full: &[Tensor], compute: &[Var]) -> Result<Sharded> {
         let n = plan.pieces.len();
         let (mut masters, mut aliased, mut runs) = (
@@ -136,7 +142,7 @@ impl Sharded {
         for p in &plan.pieces {
             let var = &compute[p.param];
             let whole = p.from == 0 && p.len == plan.sizes[p.param];
-            if var.dtype() == DType::F32 && var.is_contiguous() {
+            if var.dtype() == DType::F32 && var.is_contiguous() && stage != Sharding::Parameters {
                 masters.push(var.clone());
                 aliased.push(true);
                 runs.push((!whole).then_some(Run {
@@ -160,6 +166,7 @@ impl Sharded {
             aliased,
             runs,
             stepper: None,
+            units: None,
         })
     }
 

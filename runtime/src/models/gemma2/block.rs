@@ -121,6 +121,7 @@ impl Mlp {
 /// One Gemma 2 decoder block (`model.layers.N` in a Hugging Face folder).
 #[derive(Debug, Clone)]
 pub struct Gemma2Block {
+    unit: String,
     input_norm: GemmaRmsNorm,
     attention: SelfAttention,
     post_attention_norm: GemmaRmsNorm,
@@ -141,6 +142,7 @@ impl Gemma2Block {
         let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
         let norm = |name: &str| GemmaRmsNorm::new(h, eps, vb.pp(name));
         Ok(Gemma2Block {
+            unit: vb.prefix(),
             input_norm: norm("input_layernorm")?,
             attention: SelfAttention::new(cfg, layer, vb.pp("self_attn"), lora)?,
             post_attention_norm: norm("post_attention_layernorm")?,
@@ -157,6 +159,10 @@ impl Gemma2Block {
 }
 
 impl Block for Gemma2Block {
+    fn unit(&self) -> Option<&str> {
+        Some(&self.unit)
+    }
+
     /// The block applied to hidden states `x` `(b, t, hidden)`. Of `ctx.attention` only the
     /// padding mask is read: the scale, soft-capping and window are the block's own.
     fn forward(&self, x: &Tensor, ctx: &BlockContext) -> Result<Tensor> {

@@ -147,6 +147,7 @@ impl Mlp {
 /// One decoder block (`model.layers.N` in a Hugging Face folder).
 #[derive(Debug, Clone)]
 pub struct DecoderBlock {
+    unit: String,
     input_norm: RmsNorm,
     attention: SelfAttention,
     post_attention_norm: RmsNorm,
@@ -158,6 +159,7 @@ impl DecoderBlock {
     pub fn new(cfg: &LlamaConfig, vb: VarBuilder, lora: Option<&Lora>) -> Result<DecoderBlock> {
         let eps = cfg.rms_norm_eps;
         Ok(DecoderBlock {
+            unit: vb.prefix(),
             input_norm: RmsNorm::new(cfg.hidden_size, eps, vb.pp("input_layernorm"))?,
             attention: SelfAttention::new(cfg, vb.pp("self_attn"), lora)?,
             post_attention_norm: RmsNorm::new(
@@ -171,6 +173,10 @@ impl DecoderBlock {
 }
 
 impl Block for DecoderBlock {
+    fn unit(&self) -> Option<&str> {
+        Some(&self.unit)
+    }
+
     fn forward(&self, x: &Tensor, ctx: &BlockContext) -> Result<Tensor> {
         let h = (x + self.attention.forward(&self.input_norm.forward(x)?, ctx)?)?;
         &h + self.mlp.forward(&self.post_attention_norm.forward(&h)?)?

@@ -11,15 +11,21 @@
 //!   value; under `overlap` the optimizer steps bucket by bucket during the sync
 //!   (`overlap.rs`). On one process a window that needs no averaging, unscaling or copying
 //!   hands candle's own gradients through untouched.
-//! - [`Strategy::Sharded`] (ZeRO stages 1 and 2, `sharded.rs`, stage 2's collectives in
+//! - [`Strategy::Sharded`] (ZeRO stages 1, 2 and 3, `sharded.rs`, stage 2's collectives in
 //!   `scatter.rs`): each process ends with its slice of the mean gradient, the processes
 //!   agree on the global norm and overflow, and each steps the optimizer over its slice.
+//!   Under stage 3 the blocks' weights are slices too, gathered for each run of their
+//!   checkpointed segment and their gradients reduce-scattered as soon as the segment's
+//!   backward ends (`gathered.rs`, `resident.rs`); the window's end takes those slices as
+//!   they are.
 //!
 //! A new strategy is a variant here, a file beside the two, and its arm in [`end_window`];
 //! `backward` does not change.
 
+pub(crate) mod gathered;
 mod overlap;
 mod replicated;
+mod resident;
 pub(crate) mod scatter;
 mod sharded;
 
@@ -49,7 +55,7 @@ impl Strategy {
     pub fn of(sharding: Sharding) -> Strategy {
         match sharding {
             Sharding::No => Strategy::Replicated,
-            Sharding::Optimizer | Sharding::Gradients => Strategy::Sharded,
+            Sharding::Optimizer | Sharding::Gradients | Sharding::Parameters => Strategy::Sharded,
         }
     }
 }

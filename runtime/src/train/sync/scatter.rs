@@ -86,7 +86,7 @@ fn copy_out(t: &Tensor, from: usize, dst: &mut [f32]) -> Result<()> {
 /// Writes the (native-endian) bytes of `t`'s elements in `wire` (f32, bf16 or f16) into `out`
 /// (exactly their size), rounded as candle's `to_dtype` rounds (`from_f32`). An f32 CPU tensor
 /// (a master) is read in place, with no intermediate tensor or vector.
-fn write_bytes(t: &Tensor, wire: DType, out: &mut [u8]) -> Result<()> {
+pub(super) fn write_bytes(t: &Tensor, wire: DType, out: &mut [u8]) -> Result<()> {
     if fused::fits(t) {
         fused::with_ref(t, |data| {
             match wire {

@@ -1,7 +1,9 @@
-//! The sharded end of a window (ZeRO stages 1 and 2): each process ends with its slice of the
-//! mean gradient (stage 1 slices the whole mean, stage 2 reduce-scatters the window sums,
-//! `scatter.rs`), the processes agree on the global norm and on overflow, and each steps its
-//! optimizer over its slice and gathers the updated weights back into every process's model.
+//! The sharded end of a window (ZeRO stages 1, 2 and 3): each process ends with its slice of
+//! the mean gradient (stage 1 slices the whole mean, stage 2 reduce-scatters the window sums,
+//! `scatter.rs`; stage 3 adds its units' slices, reduce-scattered during backward,
+//! `gathered.rs`), the processes agree on the global norm and on overflow, and each steps its
+//! optimizer over its slice and gathers the updated weights back into every process's model
+//! (the units' excepted: their segments gather them).
 
 use super::WindowEnd;
 use crate::comm::ReduceOp;
@@ -29,7 +31,10 @@ pub(super) fn end(training: &mut Training, end: &WindowEnd, touched: &[bool]) ->
     }
     // One small collective for what the slices cannot know alone: the global norm, and
     // (stage 2) whether any slice overflowed.
-    let stage2 = settings.sharding() == Sharding::Gradients;
+    let stage2 = matches!(
+        settings.sharding(),
+        Sharding::Gradients | Sharding::Parameters
+    );
     if end.comm.world_size() > 1 && (need_norm || (stage2 && end.check_overflow)) {
         let local = Tensor::new(
             &[squares as f32, if overflow { 1.0 } else { 0.0 }],
@@ -77,18 +82,31 @@ impl ParamSet {
         let stage = self.shard.as_ref().map(|s| s.stage);
         // On one process the slice is the whole model and stage 2's reduce-scatter would only
         // copy every gradient twice: both stages take the whole mean in place.
-        if stage == Some(Sharding::Optimizer) || end.comm.world_size() == 1 {
+        let partial = if stage == Some(Sharding::Optimizer) || end.comm.world_size() == 1 {
             let mut full = GradStore::default();
             let overflow = self.take_synced(end, &mut full)?;
             let shard = self.shard.as_ref().expect("a sharded model");
             let partial = shard.slice_whole(&full, &self.master, want_norm, store)?;
-            return Ok(Partial {
+            Partial {
                 overflow,
                 ..partial
-            });
-        }
-        let shard = self.shard.as_ref().expect("a sharded model");
-        shard.reduce_scatter(end, &mut self.buffers, &mut self.sums, want_norm, store)
+            }
+        } else {
+            let shard = self.shard.as_ref().expect("a sharded model");
+            shard.reduce_scatter(end, &mut self.buffers, &mut self.sums, want_norm, store)?
+        };
+        // Stage 3: the units' slices were reduce-scattered segment by segment already.
+        let Some(units) = self.shard.as_ref().and_then(|s| s.units.as_ref()) else {
+            return Ok(partial);
+        };
+        let factor = (end.inv_scale / end.comm.world_size() as f64) as f32;
+        let more = units
+            .borrow_mut()
+            .take_means(factor, end.check_overflow, want_norm, store)?;
+        Ok(Partial {
+            overflow: partial.overflow || more.overflow,
+            squares: partial.squares + more.squares,
+        })
     }
 
     /// Steps this model's optimizer over its slice's gradients in `store`, then gathers every
@@ -104,11 +122,16 @@ impl ParamSet {
         };
         step(store)?;
         shard.forget_runs(store);
+        // Stage 3's units are not gathered here: their next segment gathers them.
+        let skip = match &shard.units {
+            Some(units) => units.borrow().skip_mask(&self.buffer),
+            None => self.buffer.clone(),
+        };
         shard.gather_into(
             end.comm,
             end.settings.bucket_bytes(),
             &self.compute,
-            Some(&self.buffer),
+            Some(&skip),
         )
     }
 }
