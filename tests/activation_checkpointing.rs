@@ -27,7 +27,7 @@ fn two_checkpointed_ranks_with_accumulation_and_clipping_equal_plain_candle_at_e
     let order: Vec<usize> = (0..36).collect();
     let (expected, norms) = reference::clipped(36, &reference::chunks(&order, 12, 3), 0.1, 0.05);
     assert!(norms.iter().all(|n| *n > 0.05), "the reference clips");
-    for stage in ["no", "optimizer", "gradients"] {
+    for stage in ["no", "optimizer", "gradients", "parameters"] {
         let args = [
             "opt=sgd",
             "steps=6",

@@ -209,7 +209,7 @@ fn check(reports: &[Value], mode: &str, world: usize, what: &str) {
 
 #[test]
 fn batch_norm_statistics_agree_with_plain_candle_under_every_stage() {
-    for stage in ["no", "optimizer", "gradients"] {
+    for stage in ["no", "optimizer", "gradients", "parameters"] {
         for mode in ["broadcast", "average"] {
             let what = format!("sharding {stage}, buffers {mode}, 2 ranks");
             let reports = run(
@@ -223,8 +223,8 @@ fn batch_norm_statistics_agree_with_plain_candle_under_every_stage() {
 }
 
 #[test]
-fn three_ranks_agree_on_their_statistics_under_stage_two_and_without_sharding() {
-    for stage in ["no", "gradients"] {
+fn three_ranks_agree_on_their_statistics_under_stages_two_and_three_and_without_sharding() {
+    for stage in ["no", "gradients", "parameters"] {
         for mode in ["broadcast", "average"] {
             let what = format!("sharding {stage}, buffers {mode}, 3 ranks");
             let reports = run(
@@ -317,7 +317,12 @@ fn local_buffers_differ_by_rank_and_the_weights_still_agree() {
 
 #[test]
 fn a_resume_continues_bit_for_bit_and_the_saved_model_evaluates_as_the_reference() {
-    for (stage, mode) in [("no", "broadcast"), ("gradients", "average")] {
+    let cases = [
+        ("no", "broadcast"),
+        ("gradients", "average"),
+        ("parameters", "average"),
+    ];
+    for (stage, mode) in cases {
         let scratch = common::Scratch::new(&format!("bn-resume-{stage}"));
         let dir = scratch.0.join("ckpt");
         let model = scratch.0.join("model");

@@ -315,7 +315,7 @@ fn merge_weights_turns_any_layout_into_a_model_folder_that_candle_and_python_rea
         .iter()
         .map(|(k, v)| (k.clone(), v.dims().to_vec()))
         .collect();
-    for saved_as in ["no", "gradients"] {
+    for saved_as in ["no", "gradients", "parameters"] {
         let project = save_on_two(saved_as, &root.0, &[]);
         let ckpt = only_checkpoint(&project);
         let out = root.0.join(format!("hf-{saved_as}"));
@@ -452,4 +452,78 @@ fn an_fp16_run_moves_with_its_loss_scale() {
         let got = json(&again.join(format!("rank{r}/training.json")))["scaler"].clone();
         assert_eq!(got, scaler, "rank {r}'s loss scaler");
     }
+}
+
+#[test]
+fn a_zero3_run_on_four_processes_resumes_on_one_three_or_four_at_any_stage() {
+    let root = common::Scratch::new("reshard-zero3");
+    // Global batches of 12: 4 × 3 saved after the first, then the rest of two epochs.
+    let all: Vec<Vec<usize>> = batches(0, 0, &[12, 12])
+        .into_iter()
+        .chain(batches(1, 0, &[12, 12]))
+        .collect();
+    let params = candle_nn::ParamsAdamW {
+        lr: 0.01,
+        ..Default::default()
+    };
+    let expected = reference::train::<candle_nn::AdamW>(N, &all, params);
+    let saved = root.0.join("saved");
+    let mut args = base(3, "parameters", &saved);
+    args.extend(["save_at=1".to_string(), "steps=99".to_string()]);
+    common::ok(&common::launch(
+        4,
+        &common::example_bin("harness"),
+        &strs(&args),
+        &[],
+    ));
+    // The uninterrupted run, to compare the resume on the same layout with bit for bit.
+    let whole = root.0.join("whole");
+    let mut args = base(3, "parameters", &whole);
+    args.push("steps=4".to_string());
+    let uninterrupted = harness(4, &strs(&args), &root.0.join("out-whole"));
+    let diff = reference::max_diff(&common::params(&uninterrupted), &expected);
+    assert!(diff <= 1e-6, "uninterrupted: {diff} from plain candle");
+    for (n, b, stage) in [(1, 12, "no"), (3, 4, "gradients"), (4, 3, "parameters")] {
+        let what = format!("saved on 4 × 3 (parameters), resumed on {n} × {b} ({stage})");
+        let project = root.0.join(format!("r-{n}-{stage}"));
+        common::copy_tree(&saved, &project);
+        let mut args = base(b, stage, &project);
+        args.extend(["resume=1".to_string(), "steps=4".to_string()]);
+        let report = harness(n, &strs(&args), &root.0.join(format!("out-{n}-{stage}")));
+        let got = common::params(&report);
+        let diff = reference::max_diff(&got, &expected);
+        assert!(diff <= 1e-6, "{what}: {diff} from plain candle");
+        if n == 4 {
+            assert!(
+                got == common::params(&uninterrupted),
+                "{what}: not the uninterrupted run bit for bit"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_zero3_window_saved_mid_way_resumes_bit_for_bit_with_its_slices_sums() {
+    let root = common::Scratch::new("reshard-zero3-window");
+    // accum=2, saved after 3 micro-steps: the units' reduce-scattered sums are half a window.
+    let project = root.0.join("p");
+    let mut args = base(3, "parameters", &project);
+    args.extend(["accum=2", "save_at=3", "steps=99"].map(String::from));
+    common::ok(&common::launch(
+        2,
+        &common::example_bin("harness"),
+        &strs(&args),
+        &[],
+    ));
+    let mut resume = base(3, "parameters", &project);
+    resume.extend(["accum=2", "resume=1", "steps=6"].map(String::from));
+    let resumed = harness(2, &strs(&resume), &root.0.join("out"));
+    let mut whole = base(3, "parameters", &root.0.join("whole"));
+    whole.extend(["accum=2", "steps=6"].map(String::from));
+    let whole = harness(2, &strs(&whole), &root.0.join("out-whole"));
+    let diff = reference::max_diff(&common::params(&resumed), &common::params(&whole));
+    assert!(
+        common::params(&resumed) == common::params(&whole),
+        "the resumed window differs from the uninterrupted one by up to {diff}"
+    );
 }

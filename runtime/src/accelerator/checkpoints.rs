@@ -112,7 +112,7 @@ impl Accelerator {
         components.push(Component {
             name: names::TRAINING.into(),
             // Partial sums of a window saved mid-way are this rank's own.
-            tensors: self.training.window_sums(),
+            tensors: self.training.window_sums()?,
             json: json!({
                 "auto_micro_step": self.training.window().auto_index(),
                 "macro_loop": self.data.loop_cursor().lock().position(),

@@ -228,7 +228,7 @@ impl Accelerator {
         for (key, t) in saved {
             let place = key.split_once("::").and_then(|(i, name)| {
                 let i: usize = i.parse().ok()?;
-                models.get(i)?.has_variable(name).then_some((i, name))
+                models.get(i)?.sum_slot(name).map(|_| (i, name))
             });
             let Some((i, name)) = place else {
                 return Err(unfit(

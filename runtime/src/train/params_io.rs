@@ -52,24 +52,56 @@ impl ParamSet {
         Ok(StateDict { tensors, json })
     }
 
-    /// The window's partial sums so far, by variable name (this rank's own).
-    pub(crate) fn window_sums(&self) -> impl Iterator<Item = (&str, &Tensor)> {
-        self.names
+    /// The window's partial sums so far, by variable name (this rank's own); under stage 3
+    /// also each unit piece's slice of its reduce-scattered sum, as `name[from..to]`.
+    pub(crate) fn window_sums(&self) -> Result<Vec<(String, Tensor)>> {
+        let mut out: Vec<(String, Tensor)> = self
+            .names
             .iter()
             .zip(&self.sums)
-            .filter_map(|(n, s)| Some((n.as_str(), s.as_ref()?)))
+            .filter_map(|(n, s)| Some((n.clone(), s.as_ref()?.clone())))
+            .collect();
+        if let (Some(shard), Some(units)) = (&self.shard, self.units()) {
+            for (k, t) in units.slice_sums()? {
+                let p = shard.plan.pieces[k];
+                out.push((run_name(&self.names[p.param], p.from, p.len), t));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Where a saved window sum called `name` goes: variable `i` (`i`), or under stage 3 the
+    /// slice of unit piece `k` (`names.len() + k`).
+    pub(crate) fn sum_slot(&self, name: &str) -> Option<usize> {
+        if let Some(i) = self.names.iter().position(|n| n == name) {
+            return Some(i);
+        }
+        let shard = self.shard.as_ref().filter(|s| s.units.is_some())?;
+        // (Before the first forward no unit is known yet: any piece may hold one's sum.)
+        let k = shard
+            .plan
+            .pieces
+            .iter()
+            .position(|p| run_name(&self.names[p.param], p.from, p.len) == name)?;
+        Some(self.names.len() + k)
     }
 
     /// Places saved partial sums (`(name, sum)`) in this model's order, checking each names a
     /// variable and has its master's shape, in f32; `file` names the checkpoint in errors.
+    /// Under stage 3 the unit pieces' slices follow the variables (see
+    /// [`sum_slot`](Self::sum_slot)).
     pub(crate) fn check_sums(
         &self,
         file: &Path,
         saved: Vec<(String, &Tensor)>,
     ) -> Result<Vec<Option<Tensor>>> {
-        let mut out = vec![None; self.names.len()];
+        let pieces = match &self.shard {
+            Some(s) if s.units.is_some() => s.plan.pieces.len(),
+            _ => 0,
+        };
+        let mut out = vec![None; self.names.len() + pieces];
         for (name, t) in saved {
-            let Some(j) = self.names.iter().position(|n| *n == name) else {
+            let Some(j) = self.sum_slot(&name) else {
                 return Err(unfit(
                     file,
                     format!(
@@ -78,20 +110,25 @@ impl ParamSet {
                     ),
                 ));
             };
-            let master = &self.master[j];
-            if t.dims() != master.dims() || t.dtype() != DType::F32 {
+            let (dims, device) = match j.checked_sub(self.names.len()) {
+                None => (self.master[j].dims().to_vec(), self.master[j].device()),
+                Some(k) => {
+                    let shard = self.shard.as_ref().expect("a stage-3 model");
+                    (vec![shard.plan.pieces[k].len], shard.masters[k].device())
+                }
+            };
+            if t.dims() != dims || t.dtype() != DType::F32 {
                 return Err(unfit(
                     file,
                     format!(
                         "holds the partial gradient sum `{name}` as {:?} {:?} but the variable \
-                         is F32 {:?}",
+                         is F32 {dims:?}",
                         t.dtype(),
                         t.dims(),
-                        master.dims()
                     ),
                 ));
             }
-            out[j] = Some(t.to_device(master.device())?);
+            out[j] = Some(t.to_device(device)?);
         }
         Ok(out)
     }
@@ -104,10 +141,15 @@ impl ParamSet {
     /// Puts a checked load back: the window's sums, then the weights (a direct file read into
     /// the masters, or staged tensors: this process's pieces under sharding, which
     /// [`gather_slice`](Self::gather_slice) spreads into the weights afterwards).
-    pub(crate) fn apply_load(&mut self, sums: Vec<Option<Tensor>>, saved: ModelLoad) -> Result<()> {
+    pub(crate) fn apply_load(
+        &mut self,
+        mut sums: Vec<Option<Tensor>>,
+        saved: ModelLoad,
+    ) -> Result<()> {
+        let slices = sums.split_off(self.names.len().min(sums.len()));
         self.sums = sums;
         if let Some(units) = self.shard.as_ref().and_then(|s| s.units.as_ref()) {
-            units.borrow_mut().clear_sums();
+            units.borrow_mut().set_sums(slices)?;
         }
         match (&self.shard, saved) {
             (_, ModelLoad::Direct(file)) => {

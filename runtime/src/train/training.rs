@@ -213,13 +213,13 @@ impl Training {
     }
 
     /// The window's partial sums so far, `{model}::{variable}`: this rank's own.
-    pub(crate) fn window_sums(&self) -> Vec<(String, Tensor)> {
-        let models = self.models.iter().enumerate();
-        models
-            .flat_map(|(i, m)| {
-                m.window_sums()
-                    .map(move |(name, s)| (format!("{i}::{name}"), s.clone()))
-            })
-            .collect()
+    pub(crate) fn window_sums(&self) -> Result<Vec<(String, Tensor)>> {
+        let mut out = Vec::new();
+        for (i, m) in self.models.iter().enumerate() {
+            for (name, s) in m.window_sums()? {
+                out.push((format!("{i}::{name}"), s));
+            }
+        }
+        Ok(out)
     }
 }

@@ -300,9 +300,27 @@ impl Units {
         Ok(partial)
     }
 
-    /// The window's sums dropped (a step that overflowed, or a restore).
-    pub(crate) fn clear_sums(&mut self) {
+    /// The window's sums so far, piece by piece (to save mid-window).
+    pub(crate) fn slice_sums(&self) -> Result<Vec<(usize, Tensor)>> {
+        let mut out = Vec::new();
+        for (k, s) in self.sums.iter().enumerate() {
+            if let Some(s) = s {
+                let device = self.masters[k].device();
+                out.push((k, Tensor::from_slice(s, s.len(), device)?));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Puts back saved window sums, piece by piece (none: a window's start).
+    pub(crate) fn set_sums(&mut self, saved: Vec<Option<Tensor>>) -> Result<()> {
         self.sums.iter_mut().for_each(|s| *s = None);
+        for (sum, t) in self.sums.iter_mut().zip(saved) {
+            if let Some(t) = t {
+                *sum = Some(t.to_dtype(DType::F32)?.to_vec1::<f32>()?);
+            }
+        }
+        Ok(())
     }
 
     /// Which variables the step's gather leaves alone: the units' (and `skip`'s).
