@@ -8,7 +8,10 @@
 //!
 //! Arguments are `key=value`: `mode=ivme|candle size=small|big sharding=no|…|parameters
 //! precision=no|bf16 opt=adamw|sgd accum=A steps=S clip=F tied=0|1 lora=BASE_DIR out=DIR`; `save_base=DIR`
-//! (candle) writes the initial weights as a model folder first.
+//! (candle) writes the initial weights as a model folder first; `weights=FILE` writes the
+//! trained weights as safetensors instead of into the report (candle), or `state=DIR` saves
+//! each rank's sharded state there instead, with nothing gathered (ivme): a model that does not
+//! fit one process is merged afterwards by `ivme merge-weights`.
 //! Plain SGD is what exactness against candle is measured with: AdamW's first steps divide
 //! each gradient by its own size, so a gradient within rounding of zero moves its weight by a
 //! whole learning rate either way.
@@ -90,15 +93,20 @@ fn loss(model: &Llama, x: &Tensor, y: &Tensor) -> candle_core::Result<Tensor> {
     ivme::models::causal_lm_loss(&logits, y, ivme::models::IGNORE_INDEX)
 }
 
+/// AdamW with an `eps` of 1e-4: its first steps divide each gradient by its own size plus
+/// `eps`, so with the default 1e-8 a gradient within rounding of zero moves its weight by up to
+/// a whole learning rate either way, and runs that sum gradients in another order (over ranks,
+/// per micro-batch) end far apart for no fault of theirs.
 fn adamw() -> ivme::optim::ParamsAdamW {
     ivme::optim::ParamsAdamW {
         lr: 0.01,
+        eps: 1e-4,
         ..Default::default()
     }
 }
 
-/// Peak resident and virtual memory of this process, in KiB.
-fn peaks() -> (u64, u64) {
+/// Peak resident and virtual memory of this process, and its data segment now, in KiB.
+fn peaks() -> (u64, u64, u64) {
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
     let field = |name: &str| {
         status
@@ -108,7 +116,7 @@ fn peaks() -> (u64, u64) {
             .and_then(|v| v.parse().ok())
             .unwrap_or(0)
     };
-    (field("VmHWM:"), field("VmPeak:"))
+    (field("VmHWM:"), field("VmPeak:"), field("VmData:"))
 }
 
 fn write_report(out: &str, rank: usize, params: Vec<(String, Tensor)>, held: [usize; 4]) {
@@ -121,9 +129,10 @@ fn write_report(out: &str, rank: usize, params: Vec<(String, Tensor)>, held: [us
             (k, v.expect("weights"))
         })
         .collect();
-    let (hwm, peak) = peaks();
+    let (hwm, peak, data) = peaks();
     let report = serde_json::json!({
         "rank": rank, "params": params, "vm_hwm_kib": hwm, "vm_peak_kib": peak,
+        "vm_data_kib": data,
         "held": { "weights": held[0], "masters": held[1], "gradients": held[2],
                   "optimizer": held[3] },
     });
@@ -213,10 +222,16 @@ fn candle(a: &Args) -> ivme::Result<()> {
         }
         opt(&store)?;
     }
-    let params = named
-        .into_iter()
-        .map(|(k, v)| (k, v.as_tensor().clone()))
-        .collect();
+    let params = match a.0.get("weights") {
+        Some(file) => {
+            varmap.save(file)?;
+            Vec::new()
+        }
+        None => named
+            .into_iter()
+            .map(|(k, v)| (k, v.as_tensor().clone()))
+            .collect(),
+    };
     write_report(&a.str("out", "."), 0, params, [0; 4]);
     println!("clipped: {clipped}");
     Ok(())
@@ -281,7 +296,13 @@ fn ivme_run(a: &Args) -> ivme::Result<()> {
         opt(&grads)?;
     }
     drop(opt);
-    let params = acc.whole_masters()?;
+    let params = match a.0.get("state") {
+        Some(dir) => {
+            acc.save_state(Some(std::path::Path::new(dir)))?;
+            Vec::new()
+        }
+        None => acc.whole_masters()?,
+    };
     let h = acc.held_bytes()?;
     write_report(
         &a.str("out", "."),

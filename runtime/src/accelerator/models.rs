@@ -101,6 +101,12 @@ impl Accelerator {
         if self.state.world_size > 1 {
             var.set(&value.to_dtype(dt)?)?;
         }
+        // An f32 variable now holds the value itself: the slice is cut from it, so a model is
+        // not held twice while it is prepared.
+        let value = match dt {
+            DType::F32 if var.is_contiguous() => var.as_tensor().clone(),
+            _ => value,
+        };
         Ok((var.clone(), sharded.then_some(value)))
     }
 

@@ -43,6 +43,26 @@ fn bounds(counts: &[usize]) -> Vec<usize> {
     out
 }
 
+/// The flat ranges of the parameters `skip` leaves in (consecutive ones merged): what a
+/// collective over the flat space has to carry.
+fn kept(offsets: &[usize], sizes: &[usize], skip: impl Fn(usize) -> bool) -> Vec<(usize, usize)> {
+    let mut out: Vec<(usize, usize)> = Vec::new();
+    for i in (0..sizes.len()).filter(|&i| !skip(i) && sizes[i] > 0) {
+        let (a, b) = (offsets[i], offsets[i] + sizes[i]);
+        match out.last_mut() {
+            Some(last) if last.1 == a => last.1 = b,
+            _ => out.push((a, b)),
+        }
+    }
+    out
+}
+
+/// The chunks of at most `step` elements the ranges `kept` are walked in.
+fn chunks(kept: &[(usize, usize)], step: usize) -> impl Iterator<Item = (usize, usize)> + '_ {
+    kept.iter()
+        .flat_map(move |&(a, b)| (a..b).step_by(step).map(move |x| (x, (x + step).min(b))))
+}
+
 /// How many elements of the flat range `a..b` each rank's slice holds.
 fn shares(bounds: &[usize], a: usize, b: usize) -> Vec<usize> {
     bounds
@@ -200,13 +220,16 @@ impl InplaceOp1 for WriteAt<'_> {
 impl Sharded {
     /// Stage 2: every rank sends its window sums (`sums`, each dropped once packed), bucket by
     /// bucket, and receives its slice's sum, which becomes the mean gradient of each piece in
-    /// `store`, with this process's share of the overflow check and of the squared norm.
+    /// `store`, with this process's share of the overflow check and of the squared norm. The
+    /// variables `skip` flags (stage 3's units, whose slices were summed during backward) are
+    /// not sent.
     pub(in crate::train) fn reduce_scatter(
         &self,
         end: &WindowEnd,
         buffers: &mut SyncBuffers,
         sums: &mut [Option<Tensor>],
         want_norm: bool,
+        skip: &[bool],
         store: &mut GradStore,
     ) -> Result<Partial> {
         let (comm, position, inv_scale) = (end.comm, end.position, end.inv_scale);
@@ -245,9 +268,8 @@ impl Sharded {
             overflow: false,
             squares: 0.0,
         };
-        let mut a = 0;
-        while a < total {
-            let b = (a + step).min(total);
+        let kept = kept(&plan.offsets, &plan.sizes, |i| skip[i]);
+        for (a, b) in chunks(&kept, step) {
             for (i, from, to) in overlapping(&plan.offsets, &plan.sizes, a, b) {
                 let off = plan.offsets[i];
                 let dst = &mut send[from - a..to - a];
@@ -294,7 +316,6 @@ impl Sharded {
                     _ => run.extend(mean),
                 }
             }
-            a = b;
         }
         for (k, ((p, m), run)) in plan.pieces.iter().zip(&self.masters).zip(runs).enumerate() {
             if !present[p.param] {
@@ -358,9 +379,9 @@ impl Sharded {
         let mut mine = vec![0u8; step.min(hi - lo) * eb];
         // Variables that cannot be written in place (not on the CPU), assembled whole.
         let mut staged: Vec<Option<Vec<u8>>> = vec![None; compute.len()];
-        let mut a = 0;
-        while a < total {
-            let b = (a + step).min(total);
+        // Skipped variables (buffers, stage 3's units) are not carried at all.
+        let kept = kept(&plan.offsets, &plan.sizes, skipped);
+        for (a, b) in chunks(&kept, step) {
             let mut len = 0;
             for (k, p) in plan.pieces.iter().enumerate() {
                 let start = plan.offsets[p.param] + p.from;
@@ -408,7 +429,6 @@ impl Sharded {
                     var.set(&t.to_dtype(var.dtype())?)?;
                 }
             }
-            a = b;
         }
         Ok(())
     }
@@ -430,5 +450,11 @@ mod tests {
         assert_eq!(seen, vec![(0, 5, 6), (1, 6, 7), (2, 7, 8)]);
         let seen: Vec<_> = overlapping(&offsets, &sizes, 0, 3).collect();
         assert_eq!(seen, vec![(0, 0, 3)]);
+        // Skipped parameters leave gaps; neighbours merge; chunks stop at each range's end.
+        let (offsets, sizes) = ([0, 6, 7, 11], [6, 1, 4, 2]);
+        let ranges = kept(&offsets, &sizes, |i| i == 1);
+        assert_eq!(ranges, vec![(0, 6), (7, 13)]);
+        let walked: Vec<_> = chunks(&ranges, 4).collect();
+        assert_eq!(walked, vec![(0, 4), (4, 6), (7, 11), (11, 13)]);
     }
 }

@@ -93,7 +93,12 @@ impl ParamSet {
             }
         } else {
             let shard = self.shard.as_ref().expect("a sharded model");
-            shard.reduce_scatter(end, &mut self.buffers, &mut self.sums, want_norm, store)?
+            let skip = match &shard.units {
+                Some(units) => units.borrow().skip_mask(&vec![false; self.sums.len()]),
+                None => vec![false; self.sums.len()],
+            };
+            let (buffers, sums) = (&mut self.buffers, &mut self.sums);
+            shard.reduce_scatter(end, buffers, sums, want_norm, &skip, store)?
         };
         // Stage 3: the units' slices were reduce-scattered segment by segment already.
         let Some(units) = self.shard.as_ref().and_then(|s| s.units.as_ref()) else {
