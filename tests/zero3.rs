@@ -3,7 +3,7 @@
 //! on 2, 3 and 4 ranks (f32, accumulation and clipping), as the unsharded run does in bf16 and
 //! with LoRA on a frozen base; each rank holds a slice of the blocks' weights and none of
 //! them whole after a step; a model whose forward names no unit, or names one it does not
-//! have, is refused with the fix.
+//! have, or runs a unit's segment on another thread, is refused with the fix.
 
 mod common;
 mod reference;
@@ -164,7 +164,8 @@ fn a_forward_that_gathers_no_unit_is_refused_with_the_fix() {
         "{err}"
     );
     // Named right, it trains: every weight and bias has gradient 2 (two rows of ones).
-    let y = ivme::activations::segment(&x, "layer", move |x| layer.forward(x)).unwrap();
+    let l = layer.clone();
+    let y = ivme::activations::segment(&x, "layer", move |x| l.forward(x)).unwrap();
     let grads = acc.backward(&y.sum_all().unwrap()).unwrap();
     opt.step(&grads).unwrap();
     let after: Vec<f32> = acc
@@ -176,4 +177,16 @@ fn a_forward_that_gathers_no_unit_is_refused_with_the_fix() {
     for (a, b) in after.iter().zip(&before) {
         assert!((a - (b - 0.2)).abs() < 1e-6, "{a} after {b}");
     }
+    // Its weights are freed now: on another thread than the one that built the Accelerator
+    // (which gathers them) the segment is refused.
+    let (l, x2) = (layer.clone(), x.clone());
+    let err = std::thread::spawn(move || {
+        ivme::activations::segment(&x2, "layer", move |x| l.forward(x))
+            .map(|_| ())
+            .unwrap_err()
+            .to_string()
+    })
+    .join()
+    .unwrap();
+    assert!(err.contains("runs on a thread that did not build"), "{err}");
 }

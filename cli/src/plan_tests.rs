@@ -195,16 +195,23 @@ fn environment_carries_the_settings_given() {
 
 #[test]
 fn the_sharding_stage_reaches_the_ranks_and_bad_stages_are_refused() {
-    for (word, passed) in [("2", "gradients"), ("optimizer", "optimizer"), ("no", "no")] {
+    let stages = [
+        ("2", "gradients"),
+        ("optimizer", "optimizer"),
+        ("no", "no"),
+        ("3", "parameters"),
+        ("parameters", "parameters"),
+    ];
+    for (word, passed) in stages {
         let p = plan(&["--sharding", word, "sh"]);
         let env = p.env(&TWO_CORES_ROOT, 0, &[]);
         assert_eq!(get(&env, "IVME_SHARDING"), Some(passed));
     }
-    let m = LaunchArgs::parse(&words(&["--sharding", "3", "prog"]))
+    let m = LaunchArgs::parse(&words(&["--sharding", "4", "prog"]))
         .unwrap_err()
         .to_string();
     assert!(
-        m.contains("`--sharding 3` is not a sharding stage") && m.contains("gradients"),
+        m.contains("`--sharding 4` is not a sharding stage") && m.contains("parameters"),
         "{m}"
     );
 }

@@ -382,7 +382,7 @@ mod tests {
         assert_eq!(want("buffers"), one_of(BufferSync::VALID));
         assert_eq!(
             want("sharding"),
-            one_of(&Sharding::VALID[..3]),
+            one_of(&Sharding::VALID[..4]),
             "{:?}",
             Sharding::VALID
         );

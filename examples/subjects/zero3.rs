@@ -23,6 +23,11 @@ use ivme::{Accelerator, Precision, Sharding};
 use std::collections::{BTreeMap, HashMap};
 
 const ROWS: usize = 12;
+
+/// A prepared optimizer's step, whichever optimizer it is.
+type IvmeStep = Box<dyn FnMut(&ivme::Gradients) -> ivme::Result<()>>;
+/// Plain candle's optimizer step, whichever optimizer it is.
+type CandleStep = Box<dyn FnMut(&candle_core::backprop::GradStore) -> candle_core::Result<()>>;
 const SGD_LR: f64 = 0.1;
 
 struct Args(HashMap<String, String>);
@@ -182,17 +187,16 @@ fn candle(a: &Args) -> ivme::Result<()> {
         weight_decay: p.weight_decay,
     };
     let mut clipped = false;
-    let mut opt: Box<dyn FnMut(&candle_core::backprop::GradStore) -> candle_core::Result<()>> =
-        match a.str("opt", "adamw").as_str() {
-            "sgd" => {
-                let mut o = candle_nn::SGD::new(vars.clone(), SGD_LR)?;
-                Box::new(move |g| o.step(g))
-            }
-            _ => {
-                let mut o = candle_nn::AdamW::new(vars.clone(), params)?;
-                Box::new(move |g| o.step(g))
-            }
-        };
+    let mut opt: CandleStep = match a.str("opt", "adamw").as_str() {
+        "sgd" => {
+            let mut o = candle_nn::SGD::new(vars.clone(), SGD_LR)?;
+            Box::new(move |g| o.step(g))
+        }
+        _ => {
+            let mut o = candle_nn::AdamW::new(vars.clone(), params)?;
+            Box::new(move |g| o.step(g))
+        }
+    };
     for step in 0..steps {
         let mut sums: Vec<Option<Tensor>> = vec![None; vars.len()];
         for j in step * accum..(step + 1) * accum {
@@ -272,22 +276,21 @@ fn ivme_run(a: &Args) -> ivme::Result<()> {
         }
     };
     let vars = varmap.all_vars();
-    let mut opt: Box<dyn FnMut(&ivme::Gradients) -> ivme::Result<()>> =
-        match a.str("opt", "adamw").as_str() {
-            "sgd" => {
-                let p = ivme::optim::ParamsSgd {
-                    lr: SGD_LR,
-                    ..Default::default()
-                };
-                let mut o = acc.prepare_optimizer(&varmap, ivme::optim::Sgd::new(vars, p))?;
-                Box::new(move |g| o.step(g))
-            }
-            _ => {
-                let o = ivme::optim::AdamW::new(vars, adamw());
-                let mut o = acc.prepare_optimizer(&varmap, o)?;
-                Box::new(move |g| o.step(g))
-            }
-        };
+    let mut opt: IvmeStep = match a.str("opt", "adamw").as_str() {
+        "sgd" => {
+            let p = ivme::optim::ParamsSgd {
+                lr: SGD_LR,
+                ..Default::default()
+            };
+            let mut o = acc.prepare_optimizer(&varmap, ivme::optim::Sgd::new(vars, p))?;
+            Box::new(move |g| o.step(g))
+        }
+        _ => {
+            let o = ivme::optim::AdamW::new(vars, adamw());
+            let mut o = acc.prepare_optimizer(&varmap, o)?;
+            Box::new(move |g| o.step(g))
+        }
+    };
     let (w, r) = (acc.num_processes(), acc.process_index());
     let rows = ROWS * r / w..ROWS * (r + 1) / w;
     for j in 0..steps * accum {

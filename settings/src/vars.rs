@@ -61,7 +61,7 @@ pub const PRECISION: Var = Var {
 pub const SHARDING: Var = Var {
     name: "IVME_SHARDING",
     set_by: SetBy::Launcher,
-    values: "no, optimizer or gradients (or 0, 1, 2)",
+    values: "no, optimizer, gradients or parameters (or 0, 1, 2, 3)",
     meaning: "ZeRO sharding stage (`--sharding`, `sharding = ..`)",
 };
 /// How model buffers agree across processes.

@@ -49,7 +49,7 @@ mod recompute;
 mod tape;
 
 pub(crate) use recompute::backward;
-pub(crate) use tape::{ever_ran, WeightsInstalled};
+pub(crate) use tape::{ever_ran, note_freed_unit, WeightsInstalled};
 
 use crate::error::Result;
 use candle_core::backprop::GradStore;
@@ -104,6 +104,15 @@ where
     F: Fn(&Tensor) -> candle_core::Result<Tensor> + 'static,
 {
     let weights = unit.and_then(|u| tape::weights().map(|w| (u, w)));
+    if let (Some(u), None) = (unit, &weights) {
+        if tape::freed_elsewhere(u) {
+            // Its weights are freed, and only the thread that built the Accelerator gathers.
+            candle_core::bail!(
+                "ZeRO-3: the segment `{u}` runs on a thread that did not build the \
+                 Accelerator, which is the one that gathers its weights: run the forward there"
+            )
+        }
+    }
     if let Some((u, w)) = &weights {
         w.gather(u)?;
     }

@@ -89,6 +89,24 @@ impl std::fmt::Debug for WeightsInstalled {
     }
 }
 
+/// The units whose weights ZeRO-3 frees between their segments, with the thread that gathers
+/// them, in the whole process.
+static FREED_UNITS: std::sync::Mutex<Vec<(std::thread::ThreadId, String)>> =
+    std::sync::Mutex::new(Vec::new());
+
+/// Notes that this thread's ZeRO-3 frees the weights of `unit` between its segments.
+pub(crate) fn note_freed_unit(unit: &str) {
+    let mut units = FREED_UNITS.lock().unwrap_or_else(|e| e.into_inner());
+    units.push((std::thread::current().id(), unit.to_string()));
+}
+
+/// Whether another thread's ZeRO-3 frees the weights of `unit` between its segments.
+pub(crate) fn freed_elsewhere(unit: &str) -> bool {
+    let me = std::thread::current().id();
+    let units = FREED_UNITS.lock().unwrap_or_else(|e| e.into_inner());
+    units.iter().any(|(t, u)| *t != me && u == unit)
+}
+
 impl WeightsInstalled {
     /// Installs `weights` on this thread.
     pub(crate) fn install(weights: Rc<dyn UnitWeights>) -> WeightsInstalled {
@@ -101,6 +119,9 @@ impl WeightsInstalled {
 
 impl Drop for WeightsInstalled {
     fn drop(&mut self) {
+        let mut units = FREED_UNITS.lock().unwrap_or_else(|e| e.into_inner());
+        units.retain(|(t, _)| *t != self.thread);
+        drop(units);
         if std::thread::current().id() == self.thread {
             TAPE.with(|t| t.borrow_mut().weights = None);
         }

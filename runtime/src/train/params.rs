@@ -166,6 +166,9 @@ impl ParamSet {
             return false;
         };
         self.buffer[i] = true;
+        if let Some(units) = self.shard.as_ref().and_then(|s| s.units.as_ref()) {
+            units.borrow_mut().mark_buffer(i);
+        }
         true
     }
 

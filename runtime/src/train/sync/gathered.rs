@@ -120,6 +120,7 @@ impl Units {
             self.member[i] = true;
         }
         self.found.push((unit.to_string(), a..b));
+        crate::activations::note_freed_unit(unit);
         Ok(Some(a..b))
     }
 
@@ -246,6 +247,13 @@ impl Units {
         }
         self.fresh = true;
         Ok(())
+    }
+
+    /// Marks variable `i` a buffer (registered after the model was prepared): a unit found
+    /// from now on leaves it whole. (One found already keeps it: register buffers before the
+    /// first forward.)
+    pub(crate) fn mark_buffer(&mut self, i: usize) {
+        self.buffer[i] = true;
     }
 
     /// Whether a unit's gradient arrived since the last call.
