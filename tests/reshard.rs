@@ -262,12 +262,9 @@ fn project_of(dir: &Path) -> PathBuf {
     dir.parent().unwrap().parent().unwrap().to_path_buf()
 }
 
-#[test]
-fn a_window_saved_mid_way_resumes_only_on_the_processes_that_saved_it() {
-    let root = common::Scratch::new("reshard-window");
-    // accum=2, saved after 3 micro-steps: the second window is half summed.
-    let project = root.0.join("p");
-    let mut args = base(3, "no", &project);
+/// Saves on 2 × 3 with accumulation 2 after 3 micro-steps (the second window half summed).
+fn save_mid_window(sharding: &str, project: &Path) {
+    let mut args = base(3, sharding, project);
     args.extend(["accum=2", "save_at=3", "steps=99"].map(String::from));
     common::ok(&common::launch(
         2,
@@ -275,6 +272,14 @@ fn a_window_saved_mid_way_resumes_only_on_the_processes_that_saved_it() {
         &strs(&args),
         &[],
     ));
+}
+
+#[test]
+fn a_window_saved_mid_way_resumes_only_on_the_processes_that_saved_it() {
+    let root = common::Scratch::new("reshard-window");
+    // accum=2, saved after 3 micro-steps: the second window is half summed.
+    let project = root.0.join("p");
+    save_mid_window("no", &project);
     let mut resume = base(6, "no", &project);
     resume.extend(["accum=2", "resume=1", "steps=4"].map(String::from));
     let o = common::launch(1, &common::example_bin("harness"), &strs(&resume), &[]);
@@ -507,14 +512,7 @@ fn a_zero3_window_saved_mid_way_resumes_bit_for_bit_with_its_slices_sums() {
     let root = common::Scratch::new("reshard-zero3-window");
     // accum=2, saved after 3 micro-steps: the units' reduce-scattered sums are half a window.
     let project = root.0.join("p");
-    let mut args = base(3, "parameters", &project);
-    args.extend(["accum=2", "save_at=3", "steps=99"].map(String::from));
-    common::ok(&common::launch(
-        2,
-        &common::example_bin("harness"),
-        &strs(&args),
-        &[],
-    ));
+    save_mid_window("parameters", &project);
     let mut resume = base(3, "parameters", &project);
     resume.extend(["accum=2", "resume=1", "steps=6"].map(String::from));
     let resumed = harness(2, &strs(&resume), &root.0.join("out"));

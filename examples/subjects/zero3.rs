@@ -149,15 +149,38 @@ fn write_report(out: &str, rank: usize, params: Vec<(String, Tensor)>, held: [us
     .expect("the report");
 }
 
+/// What both kinds of run read from the arguments.
+struct Run {
+    cfg: LlamaConfig,
+    tokens: usize,
+    accum: usize,
+    steps: usize,
+    clip: f64,
+}
+
+impl Run {
+    fn of(a: &Args) -> Run {
+        let (cfg, tokens) = config(&a.str("size", "small"), a.get("tied", 0u8) == 1);
+        Run {
+            cfg,
+            tokens,
+            accum: a.get("accum", 1),
+            steps: a.get("steps", 3),
+            clip: a.get("clip", 0.0),
+        }
+    }
+}
+
 /// Plain candle on one process: each window's mean gradient over the whole micro-batches,
 /// clipped by its global norm, candle-nn's AdamW.
 fn candle(a: &Args) -> ivme::Result<()> {
-    let (cfg, tokens) = config(&a.str("size", "small"), a.get("tied", 0u8) == 1);
-    let (accum, steps, clip) = (
-        a.get("accum", 1usize),
-        a.get("steps", 3usize),
-        a.get("clip", 0.0),
-    );
+    let Run {
+        cfg,
+        tokens,
+        accum,
+        steps,
+        clip,
+    } = Run::of(a);
     let varmap = VarMap::new();
     let model = Llama::new(
         &cfg,
@@ -242,12 +265,13 @@ fn candle(a: &Args) -> ivme::Result<()> {
 }
 
 fn ivme_run(a: &Args) -> ivme::Result<()> {
-    let (cfg, tokens) = config(&a.str("size", "small"), a.get("tied", 0u8) == 1);
-    let (accum, steps, clip) = (
-        a.get("accum", 1usize),
-        a.get("steps", 3usize),
-        a.get("clip", 0.0),
-    );
+    let Run {
+        cfg,
+        tokens,
+        accum,
+        steps,
+        clip,
+    } = Run::of(a);
     let precision: Precision = a.str("precision", "no").parse()?;
     let mut builder = Accelerator::builder()
         .cpu(true)

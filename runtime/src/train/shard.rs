@@ -268,6 +268,7 @@ impl Sharded {
 
 /// What a sharded sync leaves for the step: the pieces' gradients and the partial sums the
 /// processes still have to agree on.
+#[derive(Debug, Default)]
 pub(crate) struct Partial {
     pub(crate) overflow: bool,
     pub(crate) squares: f64,
@@ -284,10 +285,7 @@ impl Sharded {
         want_norm: bool,
         store: &mut GradStore,
     ) -> Result<Partial> {
-        let mut partial = Partial {
-            overflow: false,
-            squares: 0.0,
-        };
+        let mut partial = Partial::default();
         for (k, (p, m)) in self.plan.pieces.iter().zip(&self.masters).enumerate() {
             if let Some(g) = full.get(master[p.param].as_tensor()) {
                 let g = g.flatten_all()?.narrow(0, p.from, p.len)?;

@@ -286,10 +286,7 @@ impl Units {
         want_norm: bool,
         store: &mut GradStore,
     ) -> Result<Partial> {
-        let mut partial = Partial {
-            overflow: false,
-            squares: 0.0,
-        };
+        let mut partial = Partial::default();
         for (k, sum) in self.sums.iter_mut().enumerate() {
             let Some(mut sum) = sum.take() else {
                 continue;

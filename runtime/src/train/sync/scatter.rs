@@ -264,10 +264,7 @@ impl Sharded {
                 None => Vec::with_capacity(p.len),
             })
             .collect();
-        let mut partial = Partial {
-            overflow: false,
-            squares: 0.0,
-        };
+        let mut partial = Partial::default();
         let kept = kept(&plan.offsets, &plan.sizes, |i| skip[i]);
         for (a, b) in chunks(&kept, step) {
             for (i, from, to) in overlapping(&plan.offsets, &plan.sizes, a, b) {
