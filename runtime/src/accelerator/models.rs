@@ -72,11 +72,13 @@ impl Accelerator {
             });
         }
         crate::train::frozen::check_equal(&*self.comm, &unsent)?;
-        let mut shard = self.slice_of(&vars, &full)?;
-        if let Some(shard) = shard.as_mut() {
-            self.add_units(shard, &vars);
+        let shard = self.slice_of(&vars, &full)?;
+        let units = shard.as_ref().and_then(|s| self.units_of(s, &vars));
+        let mut model = ParamSet::new(vars, shard);
+        if let Some(units) = units {
+            model.set_units(units);
         }
-        self.training.add_model(ParamSet::new(vars, shard));
+        self.training.add_model(model);
         Ok(())
     }
 

@@ -33,11 +33,15 @@ pub(super) fn check_device(sharding: Sharding, device: &Device) -> Result<()> {
 }
 
 impl Accelerator {
-    /// Under stage 3, gives `shard` (a model being prepared, of `vars`) its units and hands
-    /// them to the run's gathering, made now for the first model.
-    pub(super) fn add_units(&mut self, shard: &mut Sharded, vars: &[NewVariable]) {
+    /// Under stage 3, the units of a model being prepared (of `vars`, sliced by `shard`),
+    /// handed to the run's gathering, made now for the first model.
+    pub(super) fn units_of(
+        &mut self,
+        shard: &Sharded,
+        vars: &[NewVariable],
+    ) -> Option<Rc<RefCell<Units>>> {
         if shard.stage != Sharding::Parameters {
-            return;
+            return None;
         }
         let units = Rc::new(RefCell::new(Units::new(
             vars.iter().map(|v| v.name.clone()).collect(),
@@ -46,7 +50,6 @@ impl Accelerator {
             shard.plan.clone(),
             shard.masters.clone(),
         )));
-        shard.units = Some(units.clone());
         let zero3 = self.zero3.get_or_insert_with(|| {
             let window = self.training.window().clone();
             let gathering = Rc::new(Gathering::new(self.comm.clone(), window));
@@ -55,7 +58,8 @@ impl Accelerator {
                 gathering,
             }
         });
-        zero3.gathering.add(units);
+        zero3.gathering.add(units.clone());
+        Some(units)
     }
 
     /// Refuses a stage-3 backward whose forward gathered no unit: every weight would be held

@@ -7,6 +7,8 @@ use crate::optim::parts::PartStepper;
 use crate::train::bucket::SyncBuffers;
 use crate::train::shard::Sharded;
 use crate::train::sync::gathered::Units;
+use std::cell::RefCell;
+use std::rc::Rc;
 
 pub(crate) use crate::train::params_prepare::NewVariable;
 use candle_core::backprop::GradStore;
@@ -37,6 +39,9 @@ pub(crate) struct ParamSet {
     pub(in crate::train) buffers: SyncBuffers,
     /// This process's slice of the model under sharding (shard.rs).
     pub(in crate::train) shard: Option<Sharded>,
+    /// Under stage 3, the units whose weights are gathered per segment (sync/gathered.rs),
+    /// shared with the thread's `Gathering`.
+    pub(in crate::train) units: Option<Rc<RefCell<Units>>>,
     /// Under `overlap`, the model's optimizer, stepped in parts inside `backward`
     /// (overlap.rs).
     pub(in crate::train) overlap: Option<PartStepper>,
@@ -98,7 +103,12 @@ impl ParamSet {
 
     /// Under stage 3, the units whose weights are gathered per segment (sync/gathered.rs).
     pub(crate) fn units(&self) -> Option<std::cell::Ref<'_, Units>> {
-        Some(self.shard.as_ref()?.units.as_ref()?.borrow())
+        Some(self.units.as_ref()?.borrow())
+    }
+
+    /// Gives this stage-3 model its units.
+    pub(crate) fn set_units(&mut self, units: Rc<RefCell<Units>>) {
+        self.units = Some(units);
     }
 
     /// Whether variable `i` belongs to a stage-3 unit (its weights are gathered on demand).
@@ -109,8 +119,10 @@ impl ParamSet {
     /// Adds this backward's gradients to the window's sums; returns whether any variable of
     /// this set received a gradient (a stage-3 unit's arrived during the backward itself).
     pub(crate) fn accumulate(&mut self, store: &GradStore) -> Result<bool> {
-        let units = self.shard.as_ref().and_then(|s| s.units.as_ref());
-        let mut any = units.is_some_and(|u| u.borrow_mut().took_fresh());
+        let mut any = self
+            .units
+            .as_ref()
+            .is_some_and(|u| u.borrow_mut().took_fresh());
         let some_trained = self.trained.iter().any(|t| *t);
         for (i, (var, sum)) in self.compute.iter().zip(self.sums.iter_mut()).enumerate() {
             if let Some(g) = store.get(var.as_tensor()) {
@@ -166,7 +178,7 @@ impl ParamSet {
             return false;
         };
         self.buffer[i] = true;
-        if let Some(units) = self.shard.as_ref().and_then(|s| s.units.as_ref()) {
+        if let Some(units) = &self.units {
             units.borrow_mut().mark_buffer(i);
         }
         true

@@ -76,7 +76,7 @@ impl ParamSet {
         if let Some(i) = self.names.iter().position(|n| n == name) {
             return Some(i);
         }
-        let shard = self.shard.as_ref().filter(|s| s.units.is_some())?;
+        let shard = self.shard.as_ref().filter(|_| self.units.is_some())?;
         // (Before the first forward no unit is known yet: any piece may hold one's sum.)
         let k = shard
             .plan
@@ -96,7 +96,7 @@ impl ParamSet {
         saved: Vec<(String, &Tensor)>,
     ) -> Result<Vec<Option<Tensor>>> {
         let pieces = match &self.shard {
-            Some(s) if s.units.is_some() => s.plan.pieces.len(),
+            Some(s) if self.units.is_some() => s.plan.pieces.len(),
             _ => 0,
         };
         let mut out = vec![None; self.names.len() + pieces];
@@ -148,7 +148,7 @@ impl ParamSet {
     ) -> Result<()> {
         let slices = sums.split_off(self.names.len().min(sums.len()));
         self.sums = sums;
-        if let Some(units) = self.shard.as_ref().and_then(|s| s.units.as_ref()) {
+        if let Some(units) = &self.units {
             units.borrow_mut().set_sums(slices)?;
         }
         match (&self.shard, saved) {
@@ -186,7 +186,7 @@ impl ParamSet {
         let Some(shard) = &self.shard else {
             return Ok(());
         };
-        match &shard.units {
+        match &self.units {
             // Stage 3's units are gathered by their segments, from the slices just loaded.
             Some(units) => {
                 let skip = units.borrow().skip_mask(&vec![false; self.compute.len()]);
@@ -377,7 +377,7 @@ impl ParamSet {
         key: impl Fn(&ParamSet, usize) -> Option<String>,
     ) -> Result<(Vec<(String, Var)>, Standins)> {
         let standins = match &self.shard {
-            Some(s) if s.units.is_some() => Some(
+            Some(s) if self.units.is_some() => Some(
                 s.gathered(comm, &self.compute)?
                     .iter()
                     .map(|t| Ok(Var::from_tensor(t)?))

@@ -63,6 +63,7 @@ impl ParamSet {
             sums: vec![None; n],
             buffers: Default::default(),
             shard,
+            units: None,
             overlap: None,
         }
     }

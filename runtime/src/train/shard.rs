@@ -26,11 +26,8 @@ use crate::comm::Communicator;
 use crate::error::Result;
 use crate::optim::runs::Run;
 use crate::setup::config::Sharding;
-use crate::train::sync::gathered::Units;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Shape, Tensor, Var};
-use std::cell::RefCell;
-use std::rc::Rc;
 
 /// A run of one parameter's elements inside this process's slice.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -106,8 +103,6 @@ pub(crate) struct Sharded {
     pub runs: Vec<Option<Run>>,
     /// The prepared optimizer over `masters`, once there is one.
     pub stepper: Option<Stepper>,
-    /// Under stage 3, the units whose weights are gathered per segment (sync/gathered.rs).
-    pub units: Option<Rc<RefCell<Units>>>,
 }
 
 impl std::fmt::Debug for Sharded {
@@ -166,7 +161,6 @@ impl Sharded {
             aliased,
             runs,
             stepper: None,
-            units: None,
         })
     }
 

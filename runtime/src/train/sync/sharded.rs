@@ -93,7 +93,7 @@ impl ParamSet {
             }
         } else {
             let shard = self.shard.as_ref().expect("a sharded model");
-            let skip = match &shard.units {
+            let skip = match &self.units {
                 Some(units) => units.borrow().skip_mask(&vec![false; self.sums.len()]),
                 None => vec![false; self.sums.len()],
             };
@@ -101,7 +101,7 @@ impl ParamSet {
             shard.reduce_scatter(end, buffers, sums, want_norm, &skip, store)?
         };
         // Stage 3: the units' slices were reduce-scattered segment by segment already.
-        let Some(units) = self.shard.as_ref().and_then(|s| s.units.as_ref()) else {
+        let Some(units) = &self.units else {
             return Ok(partial);
         };
         let factor = (end.inv_scale / end.comm.world_size() as f64) as f32;
@@ -128,7 +128,7 @@ impl ParamSet {
         step(store)?;
         shard.forget_runs(store);
         // Stage 3's units are not gathered here: their next segment gathers them.
-        let skip = match &shard.units {
+        let skip = match &self.units {
             Some(units) => units.borrow().skip_mask(&self.buffer),
             None => self.buffer.clone(),
         };
