@@ -1,8 +1,8 @@
 //! ZeRO stage 3 (`Sharding::Parameters`) on real processes: a Llama whose blocks' weights each
 //! rank holds as a slice, gathered per checkpointed segment, trains to plain candle's weights
-//! on 2, 3 and 4 ranks (f32, accumulation and clipping), as the unsharded run does in bf16 and
-//! with LoRA on a frozen base; each rank holds a slice of the blocks' weights and none of
-//! them whole after a step; a model whose forward names no unit, or names one it does not
+//! on 2, 3 and 4 ranks (f32, accumulation and clipping), as the unsharded run does in bf16 (bit
+//! for bit on 2, 3 and 4 ranks) and with LoRA on a frozen base; each rank holds a slice of the
+//! blocks' weights and none of them whole after a step; a model whose forward names no unit, or names one it does not
 //! have, or runs a unit's segment on another thread, is refused with the fix.
 
 mod common;
@@ -57,7 +57,7 @@ fn a_llama_under_zero3_trains_to_plain_candles_weights_on_two_three_and_four_ran
 
 #[test]
 fn bf16_under_zero3_trains_bit_for_bit_as_without_sharding() {
-    for n in [2, 4] {
+    for n in [2, 3, 4] {
         let run = |stage: &str| {
             let sharding = format!("sharding={stage}");
             let args = ["precision=bf16", "accum=2", "steps=3", &sharding];
