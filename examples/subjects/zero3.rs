@@ -173,17 +173,11 @@ impl Run {
 
 /// Plain candle on one process: each window's mean gradient over the whole micro-batches,
 /// clipped by its global norm, candle-nn's AdamW.
-fn candle(a: &Args) -> ivme::Result<()> {
-    let Run {
-        cfg,
-        tokens,
-        accum,
-        steps,
-        clip,
-    } = Run::of(a);
+fn candle(a: &Args, r: &Run) -> ivme::Result<()> {
+    let (cfg, tokens, accum, steps, clip) = (&r.cfg, r.tokens, r.accum, r.steps, r.clip);
     let varmap = VarMap::new();
     let model = Llama::new(
-        &cfg,
+        cfg,
         VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu),
     )?;
     init(&varmap)?;
@@ -264,14 +258,8 @@ fn candle(a: &Args) -> ivme::Result<()> {
     Ok(())
 }
 
-fn ivme_run(a: &Args) -> ivme::Result<()> {
-    let Run {
-        cfg,
-        tokens,
-        accum,
-        steps,
-        clip,
-    } = Run::of(a);
+fn ivme_run(a: &Args, r: &Run) -> ivme::Result<()> {
+    let (cfg, tokens, accum, steps, clip) = (&r.cfg, r.tokens, r.accum, r.steps, r.clip);
     let precision: Precision = a.str("precision", "no").parse()?;
     let mut builder = Accelerator::builder()
         .cpu(true)
@@ -290,11 +278,11 @@ fn ivme_run(a: &Args) -> ivme::Result<()> {
             let config = ivme::finetune::LoraConfig::new(4, 8.0, &["q_proj", "v_proj"]);
             let lora = acc.lora(config)?;
             let vb = acc.base_var_builder(&base, &varmap, acc.param_dtype(DType::F32));
-            Llama::with_lora(&cfg, vb, &lora)?
+            Llama::with_lora(cfg, vb, &lora)?
         }
         None => {
             let dtype = acc.param_dtype(DType::F32);
-            let model = Llama::new(&cfg, VarBuilder::from_varmap(&varmap, dtype, &Device::Cpu))?;
+            let model = Llama::new(cfg, VarBuilder::from_varmap(&varmap, dtype, &Device::Cpu))?;
             init(&varmap)?;
             model
         }
@@ -347,8 +335,9 @@ fn main() -> ivme::Result<()> {
             .filter_map(|a| a.split_once('=').map(|(k, v)| (k.into(), v.into())))
             .collect(),
     );
+    let run = Run::of(&args);
     match args.str("mode", "ivme").as_str() {
-        "candle" => candle(&args),
-        _ => ivme_run(&args),
+        "candle" => candle(&args, &run),
+        _ => ivme_run(&args, &run),
     }
 }
