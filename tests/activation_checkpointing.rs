@@ -100,15 +100,7 @@ fn two_ranks_in_bf16_with_dropout_train_bit_for_bit_as_without_checkpointing() {
     let mut on = args.to_vec();
     on.push("ckpt=1");
     let checkpointed = run(2, &on, "bf16-on");
-    assert_eq!(
-        (plain.len(), checkpointed.len()),
-        (2, 2),
-        "every rank reports"
-    );
-    for (r, (a, b)) in plain.iter().zip(&checkpointed).enumerate() {
-        let (a, b) = (common::params(a), common::params(b));
-        assert_eq!(a, b, "rank {r}: weights differ with checkpointing");
-    }
+    same_on_every_rank(&plain, &checkpointed, "bf16");
     let first = common::params(&plain[0]);
     let start = reference::model().0;
     let moved = start.data().lock().unwrap()["a.weight"]
@@ -117,6 +109,19 @@ fn two_ranks_in_bf16_with_dropout_train_bit_for_bit_as_without_checkpointing() {
         .to_vec1::<f32>()
         .unwrap();
     assert_ne!(first["a.weight"], moved, "the runs trained");
+}
+
+/// Asserts both runs' 2 ranks reported and each ended with the same weights bit for bit.
+fn same_on_every_rank(plain: &[Value], checkpointed: &[Value], tag: &str) {
+    assert_eq!(
+        (plain.len(), checkpointed.len()),
+        (2, 2),
+        "{tag}: every rank reports"
+    );
+    for (r, (a, b)) in plain.iter().zip(checkpointed).enumerate() {
+        let (a, b) = (common::params(a), common::params(b));
+        assert!(a == b, "{tag}, rank {r}: weights differ with checkpointing");
+    }
 }
 
 #[test]
@@ -136,15 +141,7 @@ fn fp16_with_loss_scaling_and_the_overlapped_sync_train_bit_for_bit_as_without_c
         let args = [&base[..], extra].concat();
         let plain = run(2, &args, &format!("{tag}-plain"));
         let checkpointed = run(2, &[&args[..], &["ckpt=1"]].concat(), &format!("{tag}-on"));
-        assert_eq!(
-            (plain.len(), checkpointed.len()),
-            (2, 2),
-            "{tag}: every rank reports"
-        );
-        for (r, (a, b)) in plain.iter().zip(&checkpointed).enumerate() {
-            let (a, b) = (common::params(a), common::params(b));
-            assert_eq!(a, b, "{tag}, rank {r}: weights differ with checkpointing");
-        }
+        same_on_every_rank(&plain, &checkpointed, tag);
     }
 }
 

@@ -240,7 +240,8 @@ impl AcceleratorBuilder {
         let snapshot_every = self.resolve_snapshot_every()?;
         let (state, comm) = join(step.cpu, &comm_options)?;
         check_precision(step.precision, &state.device)?;
-        super::zero3::check_device(step.sharding, &state.device)?;
+        let checkpointing =
+            super::zero3::checkpointing(step.checkpointing, step.sharding, &state.device)?;
         if step.overlap {
             let overlap = crate::train::sync::overlap_warnings;
             warnings.extend(overlap(state.world_size, state.local_world_size, &*comm));
@@ -269,8 +270,6 @@ impl AcceleratorBuilder {
         }
         let sync = self.sync_settings(&step)?;
         let rank = state.rank;
-        // Stage 3 gathers the blocks' weights per checkpointed segment.
-        let checkpointing = step.checkpointing || step.sharding == crate::Sharding::Parameters;
         Ok(Accelerator {
             state,
             comm: std::rc::Rc::new(comm),

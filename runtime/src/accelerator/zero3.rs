@@ -19,10 +19,15 @@ pub(super) struct Zero3 {
     _installed: WeightsInstalled,
 }
 
-/// Refuses stage 3 where its weights cannot be freed and filled: off the CPU.
-pub(super) fn check_device(sharding: Sharding, device: &Device) -> Result<()> {
-    if sharding != Sharding::Parameters || device.is_cpu() {
-        return Ok(());
+/// Whether the run checkpoints activations: asked for, or implied by stage 3 (which gathers
+/// the blocks' weights per checkpointed segment). Refuses stage 3 where its weights cannot be
+/// freed and filled: off the CPU.
+pub(super) fn checkpointing(asked: bool, sharding: Sharding, device: &Device) -> Result<bool> {
+    if sharding != Sharding::Parameters {
+        return Ok(asked);
+    }
+    if device.is_cpu() {
+        return Ok(true);
     }
     Err(Error::config(
         ivme_settings::SHARDING.name,

@@ -222,9 +222,10 @@ impl Units {
                 continue;
             };
             self.reached[i] = true;
+            // Packed straight from the gradient's own storage (f32 on the CPU): no copy of it.
             let at = self.plan.offsets[i] - lo;
-            let g = g.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
-            send[at..at + g.len()].copy_from_slice(&g);
+            let dst = &mut send[at..at + self.plan.sizes[i]];
+            super::scatter::copy_out(&g, 0, dst)?;
         }
         let counts = self.shares(lo, hi);
         let mut got = vec![0f32; counts[comm.rank()]];

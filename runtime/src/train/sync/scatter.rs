@@ -90,7 +90,7 @@ fn overlapping<'a>(
 
 /// Copies elements `from..from + dst.len()` of flattened `t` into `dst`; in place for f32 CPU
 /// tensors, through a copy of that part only elsewhere.
-fn copy_out(t: &Tensor, from: usize, dst: &mut [f32]) -> Result<()> {
+pub(super) fn copy_out(t: &Tensor, from: usize, dst: &mut [f32]) -> Result<()> {
     if fused::fits(t) {
         fused::with_ref(t, |data| {
             dst.copy_from_slice(&data[from..from + dst.len()]);
