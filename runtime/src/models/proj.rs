@@ -36,7 +36,7 @@ impl Proj {
 impl Module for Proj {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         match self {
-            Proj::Plain(l) => l.forward(x),
+            Proj::Plain(l) => crate::nn::linear(x, l.weight(), l.bias()),
             Proj::Lora(l) => l.forward(x),
         }
     }

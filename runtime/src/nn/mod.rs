@@ -22,12 +22,18 @@
 mod attention;
 mod cross_entropy;
 mod elem;
+mod fastmath;
+mod gated;
+mod linear;
+mod rows;
 mod norm;
 mod rope;
 mod softmax;
 
 pub use attention::{attention, attention_composed, Attention};
 pub use cross_entropy::cross_entropy;
+pub use gated::{gated, GateAct};
+pub use linear::linear;
 pub use norm::{layer_norm, rms_norm};
 pub use rope::{rope, rope_i, rope_thd};
 pub use softmax::softmax_last_dim;
@@ -36,6 +42,10 @@ pub use softmax::softmax_last_dim;
 /// the slow reference the fused ops are tested against.
 #[doc(hidden)]
 pub use cross_entropy::cross_entropy_composed;
+#[doc(hidden)]
+pub use gated::gated_composed;
+#[doc(hidden)]
+pub use linear::linear_composed;
 #[doc(hidden)]
 pub use norm::{layer_norm_composed, rms_norm_composed};
 #[doc(hidden)]

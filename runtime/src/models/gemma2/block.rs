@@ -112,9 +112,9 @@ impl Mlp {
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        // candle's `gelu` is the tanh approximation (`gelu_pytorch_tanh`).
-        let gate = self.gate.forward(x)?.gelu()?;
-        self.down.forward(&(gate * self.up.forward(x)?)?)
+        let (gate, up) = (self.gate.forward(x)?, self.up.forward(x)?);
+        self.down
+            .forward(&nn::gated(&gate, &up, nn::GateAct::GeluTanh)?)
     }
 }
 

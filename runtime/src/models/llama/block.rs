@@ -140,7 +140,7 @@ impl Mlp {
                 (y.narrow(2, 0, i)?, y.narrow(2, i, i)?)
             }
         };
-        self.down.forward(&(gate.silu()? * up)?)
+        self.down.forward(&nn::gated(&gate, &up, nn::GateAct::Silu)?)
     }
 }
 
