@@ -171,8 +171,15 @@ fn nan_and_large_inputs_are_not_hidden() -> Result<()> {
     let u = Tensor::new(&[1f32, 1., 1., f32::NAN], &Device::Cpu)?;
     for act in ACTS {
         let y = gated(&g, &u, act)?.to_vec1::<f32>()?;
-        assert!(y[0].is_nan() && y[3].is_nan(), "{act:?}: NaN must propagate, got {y:?}");
-        assert!((y[1] - 100.).abs() < 1e-4, "{act:?}: act(100) = 100, got {}", y[1]);
+        assert!(
+            y[0].is_nan() && y[3].is_nan(),
+            "{act:?}: NaN must propagate, got {y:?}"
+        );
+        assert!(
+            (y[1] - 100.).abs() < 1e-4,
+            "{act:?}: act(100) = 100, got {}",
+            y[1]
+        );
         assert!(y[2].abs() < 1e-6, "{act:?}: act(-100) = 0, got {}", y[2]);
     }
     Ok(())

@@ -63,7 +63,10 @@ fn run(
     let y = op(&x, w.as_tensor(), bias.then_some(b.as_tensor()))?;
     let m = tensor(y.dims(), 4)?;
     let g = (y.to_dtype(DType::F32)? * m)?.sum_all()?.backward()?;
-    let mut grads = vec![g.get(&xv).cloned().expect("dx"), g.get(&w).cloned().expect("dW")];
+    let mut grads = vec![
+        g.get(&xv).cloned().expect("dx"),
+        g.get(&w).cloned().expect("dW"),
+    ];
     if bias {
         grads.push(g.get(&b).cloned().expect("db"));
     }
@@ -128,7 +131,12 @@ fn grads_match_finite_differences() -> Result<()> {
             *num = ((at(h)? - at(-h)?) / (2. * h as f64)) as f32;
         }
         let numeric = Tensor::from_vec(numeric, base.shape(), &Device::Cpu)?;
-        assert_close(g.get(var).expect("grad"), &numeric, 2e-3, &format!("input {i}"))?;
+        assert_close(
+            g.get(var).expect("grad"),
+            &numeric,
+            2e-3,
+            &format!("input {i}"),
+        )?;
     }
     Ok(())
 }

@@ -195,17 +195,15 @@ impl EncoderBlock {
         let (b, t, h) = x.dims3()?;
         let d = h / self.heads;
         let split = |p: &Proj| -> candle_core::Result<Tensor> {
-            p.forward(x)?
-                .reshape((b, t, self.heads, d))?
-                .transpose(1, 2)
+            p.forward(x)?.reshape((b, t, self.heads, d))
         };
-        let y = nn::attention(
+        let y = nn::attention_bthd(
             &split(&self.q)?,
             &split(&self.k)?,
             &split(&self.v)?,
             attention,
         )?;
-        let y = y.transpose(1, 2)?.reshape((b, t, h))?;
+        let y = y.reshape((b, t, h))?;
         let x = self.attn_norm.forward(&(x + self.attn_out.forward(&y)?)?)?;
         let up = gelu(&self.up.forward(&x)?, self.tanh_gelu)?;
         self.out_norm.forward(&(&x + self.down.forward(&up)?)?)

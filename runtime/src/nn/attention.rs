@@ -11,6 +11,7 @@
 
 mod cpu;
 mod exp;
+mod layout;
 mod matrix;
 
 use std::sync::Arc;
@@ -20,6 +21,7 @@ use candle_core::{
 };
 
 use self::cpu::{Geometry, MaskRows, Plan, View};
+use self::layout::swap_heads_and_time_into;
 use self::matrix::Kernel;
 use super::elem;
 
@@ -105,6 +107,62 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, opts: &Attention) -> Result
     if !q.device().is_cpu() || s.is_empty() {
         return composed(q, k, v, opts, &s);
     }
+    let op = AttentionOp {
+        plan: Arc::new(plan(s, opts)?),
+        bthd: false,
+    };
+    q.apply_op3(k, v, op)
+}
+
+/// [`attention`] over tensors in the projections' own layout: `q` `(b, t_q, h_q, d)`, `k`
+/// `(b, t_k, h_kv, d)`, `v` `(b, t_k, h_kv, d_v)`; returns `(b, t_q, h_q, d_v)`, which a
+/// reshape to `(b, t_q, h_q · d_v)` turns into the output projection's input without a copy.
+///
+/// The values and gradients are those of `attention` on the inputs transposed to
+/// `(b, heads, t, d)`, transposed back. On the CPU no transposed view enters candle's graph:
+/// the op reads its inputs through their strides and writes its output and its inputs'
+/// gradients in this layout (candle's backward of a transposed view adds the gradient
+/// through a strided, unvectorised pass, and a reshape of the transposed output copies it).
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use ivme::nn::{attention, attention_bthd, Attention};
+/// # fn main() -> candle_core::Result<()> {
+/// let dev = Device::Cpu;
+/// let q = Tensor::randn(0f32, 1., (1, 6, 4, 8), &dev)?; // (b, t, heads, d)
+/// let k = Tensor::randn(0f32, 1., (1, 6, 2, 8), &dev)?;
+/// let v = Tensor::randn(0f32, 1., (1, 6, 2, 8), &dev)?;
+/// let y = attention_bthd(&q, &k, &v, &Attention::causal())?;
+/// let t = |x: &Tensor| x.transpose(1, 2);
+/// let want = attention(&t(&q)?, &t(&k)?, &t(&v)?, &Attention::causal())?.transpose(1, 2)?;
+/// let diff = (y - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+/// assert!(diff < 1e-6);
+/// # Ok(())
+/// # }
+/// ```
+pub fn attention_bthd(q: &Tensor, k: &Tensor, v: &Tensor, opts: &Attention) -> Result<Tensor> {
+    for (x, name) in [(q, "q"), (k, "k"), (v, "v")] {
+        if x.rank() != 4 {
+            candle_core::bail!(
+                "ivme::nn::attention_bthd: {name} must be 4-d (batch, seq, heads, head_dim), got {:?}",
+                x.dims()
+            )
+        }
+    }
+    let t = |x: &Tensor| x.transpose(1, 2);
+    let s = check(&t(q)?, &t(k)?, &t(v)?, opts)?;
+    if !q.device().is_cpu() || s.is_empty() {
+        return composed(&t(q)?, &t(k)?, &t(v)?, opts, &s)?.transpose(1, 2);
+    }
+    let op = AttentionOp {
+        plan: Arc::new(plan(s, opts)?),
+        bthd: true,
+    };
+    q.apply_op3(k, v, op)
+}
+
+/// The CPU kernels' plan of one call: the checked shapes, the scale, and the mask as rows.
+fn plan(s: Shapes, opts: &Attention) -> Result<Plan> {
     let mask = match &opts.mask {
         None => None,
         Some(m) => {
@@ -126,7 +184,7 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, opts: &Attention) -> Result
         softcap: opts.softcap,
         mask,
     };
-    q.apply_op3(k, v, AttentionOp(Arc::new(plan)))
+    Ok(plan)
 }
 
 /// [`attention`] composed of differentiable candle ops (its form on devices other than the
@@ -283,11 +341,16 @@ fn check(q: &Tensor, k: &Tensor, v: &Tensor, opts: &Attention) -> Result<Shapes>
 }
 
 /// The CPU op: its forward and, through [`AttentionBwd`], its backward.
-struct AttentionOp(Arc<Plan>);
+struct AttentionOp {
+    plan: Arc<Plan>,
+    /// The tensors are `(b, t, heads, d)` (else `(b, heads, t, d)`).
+    bthd: bool,
+}
 
 impl AttentionOp {
+    /// The kernels' `(b, heads, t, d)` dims of q, k, v and the output.
     fn dims(&self) -> [[usize; 4]; 4] {
-        let p = &self.0;
+        let p = &self.plan;
         let (tq, tk) = (p.geo.tq, p.geo.tk);
         [
             [p.b, p.hq, tq, p.d],
@@ -307,13 +370,18 @@ fn fwd<T: Kernel>(
     v: &[T],
     l3: &Layout,
 ) -> Result<Vec<T>> {
-    let [dq, dk, dv, _] = op.dims();
-    let (q, k, v) = (
-        View::new(q, l1, dq, "q")?,
-        View::new(k, l2, dk, "k")?,
-        View::new(v, l3, dv, "v")?,
+    let [dq, dk, dv, dout] = op.dims();
+    let (l1, l2, l3) = (
+        op.heads_first(l1)?,
+        op.heads_first(l2)?,
+        op.heads_first(l3)?,
     );
-    Ok(cpu::forward(&op.0, q, k, v))
+    let (q, k, v) = (
+        View::new(q, &l1, dq, "q")?,
+        View::new(k, &l2, dk, "k")?,
+        View::new(v, &l3, dv, "v")?,
+    );
+    Ok(op.to_own_layout(cpu::forward(&op.plan, q, k, v), dout))
 }
 
 fn mismatch(s: &[&CpuStorage]) -> candle_core::Error {
@@ -348,7 +416,7 @@ impl CustomOp3 for AttentionOp {
             (F16(q), F16(k), F16(v)) => F16(fwd(self, q, l1, k, l2, v, l3)?),
             _ => return Err(mismatch(&[s1, s2, s3])),
         };
-        Ok((out, Shape::from(self.dims()[3].to_vec())))
+        Ok((out, self.out_shape()))
     }
 
     fn bwd(
@@ -360,7 +428,8 @@ impl CustomOp3 for AttentionOp {
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let bwd = AttentionBwd {
-            plan: self.0.clone(),
+            plan: self.plan.clone(),
+            bthd: self.bthd,
             grad: grad.clone(),
         };
         // One storage holds the three gradients, each a view of it.
@@ -377,6 +446,7 @@ impl CustomOp3 for AttentionOp {
 /// output's gradient; its result is `dq`, `dk`, `dv` flattened one after the other.
 struct AttentionBwd {
     plan: Arc<Plan>,
+    bthd: bool,
     grad: Tensor,
 }
 
@@ -388,18 +458,38 @@ fn bwd<T: Kernel>(
     (g, l4): (&[T], &Layout),
 ) -> Result<Vec<T>> {
     let [dq, dk, dv, dout] = op.dims();
-    let (q, k, v) = (
-        View::new(q, l1, dq, "q")?,
-        View::new(k, l2, dk, "k")?,
-        View::new(v, l3, dv, "v")?,
+    let (l1, l2, l3) = (
+        op.heads_first(l1)?,
+        op.heads_first(l2)?,
+        op.heads_first(l3)?,
     );
-    let g = View::new(g, l4, dout, "the output's gradient")?;
+    let l4 = op.heads_first(l4)?;
+    let (q, k, v) = (
+        View::new(q, &l1, dq, "q")?,
+        View::new(k, &l2, dk, "k")?,
+        View::new(v, &l3, dv, "v")?,
+    );
+    let g = View::new(g, &l4, dout, "the output's gradient")?;
     let n = |d: [usize; 4]| d.iter().product::<usize>();
     let mut all = vec![T::of(0.); n(dq) + n(dk) + n(dv)];
     let (gq, rest) = all.split_at_mut(n(dq));
     let (gk, gv) = rest.split_at_mut(n(dk));
-    cpu::backward(&op.0, [q, k, v, g], gq, gk, gv);
-    Ok(all)
+    cpu::backward(&op.plan, [q, k, v, g], gq, gk, gv);
+    if !op.bthd {
+        return Ok(all);
+    }
+    // The three gradients in the op's own layout, each swapped straight into one buffer.
+    let len = n(dq) + n(dk) + n(dv);
+    let mut own = Vec::with_capacity(len);
+    let spare = &mut own.spare_capacity_mut()[..len];
+    let (sq, rest) = spare.split_at_mut(gq.len());
+    let (sk, sv) = rest.split_at_mut(gk.len());
+    swap_heads_and_time_into(sq, gq, dq);
+    swap_heads_and_time_into(sk, gk, dk);
+    swap_heads_and_time_into(sv, gv, dv);
+    // SAFETY: the three swaps wrote every element of the three parts, which cover `all.len()`.
+    unsafe { own.set_len(len) };
+    Ok(own)
 }
 
 impl CustomOp3 for AttentionBwd {
@@ -421,7 +511,10 @@ impl CustomOp3 for AttentionBwd {
         let Storage::Cpu(g) = &*gs else {
             candle_core::bail!("ivme::nn::{OP}: the output's gradient is not on the CPU")
         };
-        let op = AttentionOp(self.plan.clone());
+        let op = AttentionOp {
+            plan: self.plan.clone(),
+            bthd: self.bthd,
+        };
         let all = match (s1, s2, s3, g) {
             (F32(q), F32(k), F32(v), F32(g)) => F32(bwd(&op, (q, l1), (k, l2), (v, l3), (g, l4))?),
             (BF16(q), BF16(k), BF16(v), BF16(g)) => {

@@ -204,15 +204,7 @@ impl CustomOp3 for GatedBwd {
     }
 }
 
-fn bwd<T: Elem>(
-    g: &[T],
-    rg: Rows,
-    u: &[T],
-    ru: Rows,
-    d: &[T],
-    rd: Rows,
-    act: GateAct,
-) -> Vec<T> {
+fn bwd<T: Elem>(g: &[T], rg: Rows, u: &[T], ru: Rows, d: &[T], rd: Rows, act: GateAct) -> Vec<T> {
     let rows = rg.rows;
     // Row r < rows of the result is dgate's row r; row rows + r is dup's.
     write_rows(2 * rows, rg.width, |r, out| {

@@ -228,7 +228,9 @@ fn written<T: Elem>(n: usize, f: impl FnOnce(&mut [MaybeUninit<f32>])) -> Vec<T>
         // SAFETY: `T` is `f32`; the spare capacity holds `n` elements.
         let spare = unsafe {
             std::slice::from_raw_parts_mut(
-                out.spare_capacity_mut().as_mut_ptr().cast::<MaybeUninit<f32>>(),
+                out.spare_capacity_mut()
+                    .as_mut_ptr()
+                    .cast::<MaybeUninit<f32>>(),
                 n,
             )
         };

@@ -7,6 +7,12 @@
 //! (f32, bf16 and f16, the arithmetic in f32); on other devices they are composed of candle ops,
 //! which have a backward there.
 //!
+//! Three ops exist for speed rather than for a missing backward: [`linear`] (candle-nn's
+//! `Linear` as one graph node), [`gated`] (the gated MLP's `act(gate) · up`) and
+//! [`attention_bthd`] (attention over the projections' own layout). candle's backward gives
+//! every graph node, views included, a zero-filled gradient and adds into it; fewer nodes and
+//! one pass per op is most of what separates a candle training step from PyTorch's.
+//!
 //! ```
 //! use candle_core::{Device, Tensor, Var};
 //! # fn main() -> candle_core::Result<()> {
@@ -25,12 +31,12 @@ mod elem;
 mod fastmath;
 mod gated;
 mod linear;
-mod rows;
 mod norm;
 mod rope;
+mod rows;
 mod softmax;
 
-pub use attention::{attention, attention_composed, Attention};
+pub use attention::{attention, attention_bthd, attention_composed, Attention};
 pub use cross_entropy::cross_entropy;
 pub use gated::{gated, GateAct};
 pub use linear::linear;

@@ -97,4 +97,3 @@ pub(super) fn write_rows<T: Copy + Send>(
     unsafe { v.set_len(n) };
     v
 }
-

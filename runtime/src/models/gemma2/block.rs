@@ -77,9 +77,8 @@ impl SelfAttention {
         let q = self.q.forward(x)?.reshape((b, t, self.heads, d))?;
         let k = self.k.forward(x)?.reshape((b, t, self.kv_heads, d))?;
         let v = self.v.forward(x)?.reshape((b, t, self.kv_heads, d))?;
-        let q = nn::rope_thd(&q, &ctx.cos, &ctx.sin)?.transpose(1, 2)?;
-        let k = nn::rope_thd(&k, &ctx.cos, &ctx.sin)?.transpose(1, 2)?;
-        let v = v.transpose(1, 2)?;
+        let q = nn::rope_thd(&q, &ctx.cos, &ctx.sin)?;
+        let k = nn::rope_thd(&k, &ctx.cos, &ctx.sin)?;
         let opts = Attention {
             scale: Some(self.scale),
             causal: true,
@@ -87,8 +86,8 @@ impl SelfAttention {
             sliding_window: self.sliding_window,
             mask: ctx.attention.mask.clone(),
         };
-        let y = nn::attention(&q, &k, &v, &opts)?;
-        let y = y.transpose(1, 2)?.reshape((b, t, self.heads * d))?;
+        let y = nn::attention_bthd(&q, &k, &v, &opts)?;
+        let y = y.reshape((b, t, self.heads * d))?;
         self.o.forward(&y)
     }
 }

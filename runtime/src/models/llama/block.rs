@@ -91,11 +91,10 @@ impl SelfAttention {
         let q = q.reshape((b, t, self.heads, d))?;
         let k = k.reshape((b, t, self.kv_heads, d))?;
         let v = v.reshape((b, t, self.kv_heads, d))?;
-        let q = nn::rope_thd(&q, &ctx.cos, &ctx.sin)?.transpose(1, 2)?;
-        let k = nn::rope_thd(&k, &ctx.cos, &ctx.sin)?.transpose(1, 2)?;
-        let v = v.transpose(1, 2)?;
-        let y = nn::attention(&q, &k, &v, &ctx.attention)?;
-        let y = y.transpose(1, 2)?.reshape((b, t, self.heads * d))?;
+        let q = nn::rope_thd(&q, &ctx.cos, &ctx.sin)?;
+        let k = nn::rope_thd(&k, &ctx.cos, &ctx.sin)?;
+        let y = nn::attention_bthd(&q, &k, &v, &ctx.attention)?;
+        let y = y.reshape((b, t, self.heads * d))?;
         self.o.forward(&y)
     }
 }
@@ -140,7 +139,8 @@ impl Mlp {
                 (y.narrow(2, 0, i)?, y.narrow(2, i, i)?)
             }
         };
-        self.down.forward(&nn::gated(&gate, &up, nn::GateAct::Silu)?)
+        self.down
+            .forward(&nn::gated(&gate, &up, nn::GateAct::Silu)?)
     }
 }
 
