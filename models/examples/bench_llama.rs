@@ -73,7 +73,7 @@ fn plain(s: &Size, dtype: DType) -> candle_core::Result<f64> {
     let mut step = || -> candle_core::Result<()> {
         let mut sum: Option<candle_core::backprop::GradStore> = None;
         for (x, y) in &data {
-            let loss = (loss_of(&model.forward(x)?, y)? / 2.0)?;
+            let loss = (loss_of(&model, x, y)? / 2.0)?;
             let grads = loss.backward()?;
             sum = Some(match sum {
                 None => grads,

@@ -64,7 +64,7 @@ fn hand(s: &Size) -> ivme::Result<Option<f64>> {
     let mut step = || -> ivme::Result<()> {
         send.iter_mut().for_each(|x| *x = 0.0);
         for (x, y) in &batches {
-            let loss = (loss_of(&model.forward(x)?, y)? / 2.0)?;
+            let loss = (loss_of(&model, x, y)? / 2.0)?;
             let grads = loss.backward()?;
             let mut at = 0;
             for v in &vars {

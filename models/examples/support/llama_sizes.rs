@@ -6,7 +6,7 @@
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use ivme::models::llama::{Flavor, Llama, LlamaConfig};
-use ivme::models::{token_loss, IGNORE_INDEX};
+use ivme::models::{CausalLm, IGNORE_INDEX};
 use ivme::rng::Rng;
 
 pub const LR: f64 = 3e-4;
@@ -150,15 +150,11 @@ pub fn model(s: &Size, varmap: &VarMap, dtype: DType) -> candle_core::Result<Lla
     Ok(model)
 }
 
-/// The mean cross-entropy of every position's logits `(b, t, vocab)` against its target
-/// `(b, t)`, in f32.
-pub fn loss_of(logits: &Tensor, targets: &Tensor) -> candle_core::Result<Tensor> {
-    let (b, t, v) = logits.dims3()?;
-    token_loss(
-        &logits.reshape((b * t, v))?,
-        &targets.flatten_all()?,
-        IGNORE_INDEX,
-    )
+/// The mean cross-entropy of every position's logits against its target `(b, t)`, in f32:
+/// the model's own head and loss (`CausalLm::head_loss`: the head and the loss together in
+/// chunks of positions, never the whole logits).
+pub fn loss_of(model: &Llama, x: &Tensor, targets: &Tensor) -> candle_core::Result<Tensor> {
+    model.head_loss(&model.hidden(x, None)?, targets, IGNORE_INDEX)
 }
 
 /// The precision a bench's `f32` or `bf16` argument names.
@@ -206,7 +202,7 @@ pub fn ivme_step(
     Ok(move |acc: &mut ivme::Accelerator| -> ivme::Result<()> {
         let _prepared = &varmap;
         for (x, y) in &batches {
-            let loss = loss_of(&model.forward(x)?, y)?;
+            let loss = loss_of(&model, x, y)?;
             let grads = acc.backward(&loss)?;
             opt.step(&grads)?;
         }

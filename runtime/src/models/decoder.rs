@@ -76,13 +76,68 @@ pub trait CausalLm {
 
     /// Logits at every position: the embedding, each block in turn, the head.
     fn logits(&self, input_ids: &Tensor, attention_mask: Option<&Tensor>) -> Result<Tensor> {
+        self.head(&self.hidden(input_ids, attention_mask)?)
+    }
+
+    /// The last block's output `(b, t, hidden)`: the embedding, then each block in turn.
+    fn hidden(&self, input_ids: &Tensor, attention_mask: Option<&Tensor>) -> Result<Tensor> {
         let mut h = self.embed(input_ids)?;
         let ctx = self.context(h.dim(1)?, h.dtype(), attention_mask)?;
         for block in self.blocks() {
             h = run_block(block, &h, &ctx)?;
         }
-        self.head(&h)
+        Ok(h)
     }
+
+    /// The mean cross-entropy of the logits at every position of `hidden` (the last block's
+    /// output, `(b, t, hidden)`) against `labels` `(b, t)`, position `i` against label `i`,
+    /// labels equal to `ignore_index` left out; f32.
+    ///
+    /// By default the [`head`](Self::head)'s logits, then [`crate::nn::cross_entropy`]; a
+    /// family whose head is a plain linear layer computes the head and the loss together in
+    /// chunks of positions ([`crate::nn::linear_cross_entropy`]), so that the whole
+    /// `(b · t × vocab)` logits and their gradient never exist.
+    fn head_loss(&self, hidden: &Tensor, labels: &Tensor, ignore_index: i64) -> Result<Tensor> {
+        logits_loss(&self.head(hidden)?, labels, ignore_index)
+    }
+
+    /// The causal language-modelling loss of `input_ids` against `labels` (both `(b, t)`):
+    /// each position's logits predict the next position's label, as transformers' causal
+    /// LMs count it ([`crate::models::causal_lm_loss`] on [`logits`](Self::logits)), through
+    /// [`head_loss`](Self::head_loss).
+    fn causal_lm_loss(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: Option<&Tensor>,
+        labels: &Tensor,
+        ignore_index: i64,
+    ) -> Result<Tensor> {
+        let h = self.hidden(input_ids, attention_mask)?;
+        let (b, t, _) = h.dims3()?;
+        if labels.dims() != [b, t] {
+            candle_core::bail!(
+                "causal_lm_loss: labels {:?} do not match input_ids ({b}, {t})",
+                labels.dims()
+            )
+        }
+        if t < 2 {
+            return Tensor::zeros((), DType::F32, h.device());
+        }
+        let h = h.narrow(1, 0, t - 1)?;
+        self.head_loss(&h, &labels.narrow(1, 1, t - 1)?, ignore_index)
+    }
+}
+
+/// The mean cross-entropy of `logits` `(b, t, vocab)` against `labels` `(b, t)`, position by
+/// position.
+pub(crate) fn logits_loss(logits: &Tensor, labels: &Tensor, ignore_index: i64) -> Result<Tensor> {
+    let v = logits.dim(candle_core::D::Minus1)?;
+    let n = logits.elem_count() / v.max(1);
+    crate::nn::cross_entropy(
+        &logits.reshape((n, v))?,
+        &labels.flatten_all()?,
+        ignore_index,
+    )
 }
 
 /// Runs `block` on `h`: as a checkpointed segment ([`crate::activations`]) while activation

@@ -115,14 +115,23 @@ fn check(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<()> {
 
 /// An f32 matrix in memory: element `(r, c)` at `ptr + r * rs + c * cs`.
 #[derive(Clone, Copy)]
-struct Mat {
+pub(super) struct Mat {
     ptr: *const f32,
     rs: isize,
     cs: isize,
 }
 
 impl Mat {
-    fn t(self) -> Mat {
+    /// A dense row-major matrix of `cols` columns starting at `data`'s first element.
+    pub(super) fn dense(data: &[f32], cols: usize) -> Mat {
+        Mat {
+            ptr: data.as_ptr(),
+            rs: cols as isize,
+            cs: 1,
+        }
+    }
+
+    pub(super) fn t(self) -> Mat {
         Mat {
             rs: self.cs,
             cs: self.rs,
@@ -136,13 +145,37 @@ impl Mat {
 /// # Safety
 /// `dst` holds `m × n` elements and `a`, `b` reach only elements of live f32 slices that
 /// `dst` does not overlap.
-unsafe fn product(dst: &mut [MaybeUninit<f32>], [m, n, k]: [usize; 3], a: Mat, b: Mat) {
-    if m == 0 || n == 0 {
+unsafe fn product(dst: &mut [MaybeUninit<f32>], dims: [usize; 3], a: Mat, b: Mat) {
+    debug_assert!(dst.len() >= dims[0] * dims[1]);
+    if dims[2] == 0 {
+        dst[..dims[0] * dims[1]].fill(MaybeUninit::new(0.));
         return;
     }
-    debug_assert!(dst.len() >= m * n);
-    if k == 0 {
-        dst[..m * n].fill(MaybeUninit::new(0.));
+    gemm_into(dst.as_mut_ptr().cast::<f32>(), dims, a, b, false)
+}
+
+/// `dst (m × n, row-major) = a · b`, or `dst += a · b` when `acc`.
+///
+/// # Safety
+/// As [`product`]'s.
+pub(super) unsafe fn product_into(dst: &mut [f32], dims: [usize; 3], a: Mat, b: Mat, acc: bool) {
+    assert!(dst.len() >= dims[0] * dims[1]);
+    if dims[2] == 0 {
+        if !acc {
+            dst[..dims[0] * dims[1]].fill(0.);
+        }
+        return;
+    }
+    gemm_into(dst.as_mut_ptr(), dims, a, b, acc)
+}
+
+/// gemm on all of rayon's threads: `dst = a·b`, or `dst += a·b` when `acc` (only then is
+/// `dst` read).
+///
+/// # Safety
+/// As [`product`]'s, `k > 0`.
+unsafe fn gemm_into(dst: *mut f32, [m, n, k]: [usize; 3], a: Mat, b: Mat, acc: bool) {
+    if m == 0 || n == 0 {
         return;
     }
     let threads = rayon::current_num_threads();
@@ -151,22 +184,21 @@ unsafe fn product(dst: &mut [MaybeUninit<f32>], [m, n, k]: [usize; 3], a: Mat, b
     } else {
         gemm::Parallelism::None
     };
-    // `read_dst` false: gemm writes `dst = 1 · a·b` without reading it.
     gemm::gemm(
         m,
         n,
         k,
-        dst.as_mut_ptr().cast::<f32>(),
+        dst,
         1,
         n as isize,
-        false,
+        acc,
         a.ptr,
         a.cs,
         a.rs,
         b.ptr,
         b.cs,
         b.rs,
-        0f32,
+        if acc { 1f32 } else { 0f32 },
         1f32,
         false,
         false,
@@ -177,13 +209,13 @@ unsafe fn product(dst: &mut [MaybeUninit<f32>], [m, n, k]: [usize; 3], a: Mat, b
 
 /// An input as f32 rows: the f32 storage where it lies, or the rows widened into a new
 /// dense buffer (in parallel).
-enum Wide<'a> {
+pub(super) enum Wide<'a> {
     InPlace(&'a [f32], Rows),
     Widened(Vec<f32>, Rows),
 }
 
 impl Wide<'_> {
-    fn mat(&self) -> Mat {
+    pub(super) fn mat(&self) -> Mat {
         let (data, r): (&[f32], &Rows) = match self {
             Wide::InPlace(d, r) => (d, r),
             Wide::Widened(d, r) => (d, r),
@@ -199,7 +231,7 @@ impl Wide<'_> {
     }
 }
 
-fn wide<'a, T: Elem>(data: &'a [T], rows: Rows) -> Wide<'a> {
+pub(super) fn wide<'a, T: Elem>(data: &'a [T], rows: Rows) -> Wide<'a> {
     if let Some(f) = as_f32(data) {
         return Wide::InPlace(f, rows);
     }

@@ -65,6 +65,16 @@ impl Rows {
         })
     }
 
+    /// Rows `first..first + n` of these.
+    pub(super) fn skip(self, first: usize, n: usize) -> Rows {
+        assert!(first + n <= self.rows);
+        Rows {
+            start: self.start + first * self.stride,
+            rows: n,
+            ..self
+        }
+    }
+
     pub(super) fn row<'a, T>(&self, data: &'a [T], r: usize) -> &'a [T] {
         let s = self.start + r * self.stride;
         &data[s..s + self.width]

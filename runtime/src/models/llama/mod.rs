@@ -36,7 +36,7 @@ use super::decoder::{BlockContext, CausalLm};
 use super::proj::Proj;
 use super::rotary::RotaryTables;
 use crate::finetune::Lora;
-use crate::nn::Attention;
+use crate::nn::{self, Attention};
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::{Embedding, VarBuilder};
 
@@ -152,5 +152,18 @@ impl CausalLm for Llama {
     /// The final norm and the output head.
     fn head(&self, hidden: &Tensor) -> Result<Tensor> {
         self.head.forward(&self.norm.forward(hidden)?)
+    }
+
+    /// The final norm, then the head and the loss together in chunks of positions (a LoRA
+    /// adapted head goes through its logits).
+    fn head_loss(&self, hidden: &Tensor, labels: &Tensor, ignore_index: i64) -> Result<Tensor> {
+        match &self.head {
+            Proj::Plain(head) if head.bias().is_none() => {
+                let h = self.norm.forward(hidden)?;
+                let labels = labels.flatten_all()?;
+                nn::linear_cross_entropy(&h, head.weight(), &labels, ignore_index)
+            }
+            _ => crate::models::decoder::logits_loss(&self.head(hidden)?, labels, ignore_index),
+        }
     }
 }
