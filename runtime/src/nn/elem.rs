@@ -64,3 +64,15 @@ pub(crate) fn unsupported(op: &str, dtype: DType) -> candle_core::Error {
 pub(crate) fn dtype_of(s: &CpuStorage) -> DType {
     candle_core::backend::BackendStorage::dtype(s)
 }
+
+/// The error for CPU storages of mixed dtypes or of one the kernels do not take, naming the op.
+pub(crate) fn mixed(op: &str, storages: &[&CpuStorage]) -> candle_core::Error {
+    let dtypes: Vec<DType> = storages.iter().map(|s| dtype_of(s)).collect();
+    match dtypes
+        .iter()
+        .find(|d| !matches!(d, DType::F32 | DType::BF16 | DType::F16))
+    {
+        Some(&d) => unsupported(op, d),
+        None => candle_core::Error::Msg(format!("ivme::nn::{op}: mixed dtypes {dtypes:?}")),
+    }
+}

@@ -104,14 +104,6 @@ fn rows_or_contiguous(t: &Tensor) -> Result<Tensor> {
     }
 }
 
-fn rows_of(layout: &Layout, what: &str) -> Result<Rows> {
-    Rows::of(layout).ok_or_else(|| {
-        candle_core::Error::Msg(format!(
-            "ivme::nn::{OP}: {what} of layout {layout:?} is not evenly strided rows"
-        ))
-    })
-}
-
 /// The forward op: `gate`, `up` → `act(gate) · up`.
 struct Gated(GateAct);
 
@@ -127,7 +119,7 @@ impl CustomOp2 for Gated {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (rg, ru) = (rows_of(l1, "gate")?, rows_of(l2, "up")?);
+        let (rg, ru) = (Rows::of_op(l1, OP, "gate")?, Rows::of_op(l2, OP, "up")?);
         let shape = l1.shape().clone();
         let act = self.0;
         use CpuStorage::{BF16, F16, F32};
@@ -135,7 +127,7 @@ impl CustomOp2 for Gated {
             (F32(g), F32(u)) => (F32(fwd(g, rg, u, ru, act)), shape),
             (BF16(g), BF16(u)) => (BF16(fwd(g, rg, u, ru, act)), shape),
             (F16(g), F16(u)) => (F16(fwd(g, rg, u, ru, act)), shape),
-            _ => return Err(mixed(&[s1, s2])),
+            _ => return Err(elem::mixed(OP, &[s1, s2])),
         })
     }
 
@@ -152,17 +144,6 @@ impl CustomOp2 for Gated {
         let dg = packed.narrow(0, 0, n)?.reshape(gate.shape())?;
         let du = packed.narrow(0, n, n)?.reshape(gate.shape())?;
         Ok((Some(dg), Some(du)))
-    }
-}
-
-fn mixed(s: &[&CpuStorage]) -> candle_core::Error {
-    let dtypes: Vec<DType> = s.iter().map(|s| elem::dtype_of(s)).collect();
-    match dtypes
-        .iter()
-        .find(|d| !matches!(d, DType::F32 | DType::BF16 | DType::F16))
-    {
-        Some(&d) => elem::unsupported(OP, d),
-        None => candle_core::Error::Msg(format!("ivme::nn::{OP}: mixed dtypes {dtypes:?}")),
     }
 }
 
@@ -189,9 +170,9 @@ impl CustomOp3 for GatedBwd {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let rg = rows_of(l1, "gate")?;
-        let ru = rows_of(l2, "up")?;
-        let rd = rows_of(l3, "the output's gradient")?;
+        let rg = Rows::of_op(l1, OP, "gate")?;
+        let ru = Rows::of_op(l2, OP, "up")?;
+        let rd = Rows::of_op(l3, OP, "the output's gradient")?;
         let act = self.0;
         let shape = Shape::from(2 * rg.rows * rg.width);
         use CpuStorage::{BF16, F16, F32};
@@ -199,7 +180,7 @@ impl CustomOp3 for GatedBwd {
             (F32(g), F32(u), F32(d)) => (F32(bwd(g, rg, u, ru, d, rd, act)), shape),
             (BF16(g), BF16(u), BF16(d)) => (BF16(bwd(g, rg, u, ru, d, rd, act)), shape),
             (F16(g), F16(u), F16(d)) => (F16(bwd(g, rg, u, ru, d, rd, act)), shape),
-            _ => return Err(mixed(&[s1, s2, s3])),
+            _ => return Err(elem::mixed(OP, &[s1, s2, s3])),
         })
     }
 }

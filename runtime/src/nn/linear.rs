@@ -303,8 +303,8 @@ impl CustomOp2 for Linear {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let rx = rows_of(l1, "x")?;
-        let rw = rows_of(l2, "weight")?;
+        let rx = Rows::of_op(l1, OP, "x")?;
+        let rw = Rows::of_op(l2, OP, "weight")?;
         let mut dims = l1.dims().to_vec();
         if let Some(last) = dims.last_mut() {
             *last = rw.rows;
@@ -314,7 +314,7 @@ impl CustomOp2 for Linear {
             (F32(x), F32(w)) => F32(fwd(x, rx, w, rw)),
             (BF16(x), BF16(w)) => BF16(fwd(x, rx, w, rw)),
             (F16(x), F16(w)) => F16(fwd(x, rx, w, rw)),
-            _ => return Err(mixed(&[s1, s2])),
+            _ => return Err(elem::mixed(OP, &[s1, s2])),
         };
         Ok((out, Shape::from(dims)))
     }
@@ -366,16 +366,16 @@ impl CustomOp3 for LinearBwd {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let rx = rows_of(l1, "x")?;
-        let rw = rows_of(l2, "weight")?;
-        let rd = rows_of(l3, "the output's gradient")?;
+        let rx = Rows::of_op(l1, OP, "x")?;
+        let rw = Rows::of_op(l2, OP, "weight")?;
+        let rd = Rows::of_op(l3, OP, "the output's gradient")?;
         let len = rx.rows * rx.width + rw.rows * rw.width;
         use CpuStorage::{BF16, F16, F32};
         let out = match (s1, s2, s3) {
             (F32(x), F32(w), F32(d)) => F32(bwd(x, rx, w, rw, d, rd)),
             (BF16(x), BF16(w), BF16(d)) => BF16(bwd(x, rx, w, rw, d, rd)),
             (F16(x), F16(w), F16(d)) => F16(bwd(x, rx, w, rw, d, rd)),
-            _ => return Err(mixed(&[s1, s2, s3])),
+            _ => return Err(elem::mixed(OP, &[s1, s2, s3])),
         };
         Ok((out, Shape::from(len)))
     }
@@ -393,19 +393,4 @@ fn bwd<T: Elem>(x: &[T], rx: Rows, w: &[T], rw: Rows, d: &[T], rd: Rows) -> Vec<
             product(dw, [o, k, n], d.mat().t(), x.mat());
         }
     })
-}
-
-fn rows_of(layout: &Layout, what: &str) -> Result<Rows> {
-    Rows::of(layout).ok_or_else(|| {
-        candle_core::Error::Msg(format!(
-            "ivme::nn::{OP}: {what} of layout {layout:?} is not evenly strided rows"
-        ))
-    })
-}
-
-fn mixed(s: &[&CpuStorage]) -> candle_core::Error {
-    let dtypes: Vec<DType> = s.iter().map(|s| elem::dtype_of(s)).collect();
-    candle_core::Error::Msg(format!(
-        "ivme::nn::{OP}: inputs of mixed or unsupported dtypes {dtypes:?}"
-    ))
 }

@@ -136,17 +136,14 @@ impl CustomOp2 for LinearCe {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let rx = rows_of(l1, "x")?;
-        let rw = rows_of(l2, "weight")?;
+        let rx = Rows::of_op(l1, OP, "x")?;
+        let rw = Rows::of_op(l2, OP, "weight")?;
         use CpuStorage::{BF16, F16, F32};
         let (loss, kept) = match (s1, s2) {
             (F32(x), F32(w)) => self.run(x, rx, w, rw, F32),
             (BF16(x), BF16(w)) => self.run(x, rx, w, rw, BF16),
             (F16(x), F16(w)) => self.run(x, rx, w, rw, F16),
-            _ => {
-                let dtypes = [elem::dtype_of(s1), elem::dtype_of(s2)];
-                candle_core::bail!("ivme::nn::{OP}: inputs of mixed dtypes {dtypes:?}")
-            }
+            _ => return Err(elem::mixed(OP, &[s1, s2])),
         };
         *self.kept.lock().expect("the kept gradients' lock") = kept;
         Ok((F32(vec![loss]), Shape::from(())))
@@ -267,12 +264,4 @@ fn softmax_grad(row: &mut [f32], label: i64, ignore: i64, scale: f32, grads: boo
         row[label as usize] -= scale;
     }
     loss
-}
-
-fn rows_of(layout: &Layout, what: &str) -> Result<Rows> {
-    Rows::of(layout).ok_or_else(|| {
-        candle_core::Error::Msg(format!(
-            "ivme::nn::{OP}: {what} of layout {layout:?} is not evenly strided rows"
-        ))
-    })
 }

@@ -17,6 +17,16 @@ pub(super) struct Rows {
 }
 
 impl Rows {
+    /// The rows of `layout`, or an error naming the op and the input whose layout is not
+    /// evenly strided rows (callers make such inputs contiguous first: only a bug of ours).
+    pub(super) fn of_op(layout: &Layout, op: &str, what: &str) -> candle_core::Result<Rows> {
+        Rows::of(layout).ok_or_else(|| {
+            candle_core::Error::Msg(format!(
+                "ivme::nn::{op}: {what} of layout {layout:?} is not evenly strided rows"
+            ))
+        })
+    }
+
     /// `rows` dense rows of `width`.
     pub(super) fn dense(rows: usize, width: usize) -> Rows {
         Rows {
