@@ -6,7 +6,7 @@
 //! ```
 //!
 //! `WHOAMI_FAIL_RANK=R` makes rank R exit with code 3, to see how the launcher reports a failed
-//! rank. `WHOAMI_SHOW_ENV=1` also prints the ivme settings (and allocator settings) each rank received.
+//! rank. `WHOAMI_SHOW_ENV=1` also prints the ivme settings (and the allocator's and candle's) each rank received.
 
 use std::process::ExitCode;
 
@@ -20,7 +20,10 @@ fn main() -> ivme::Result<ExitCode> {
     if std::env::var("WHOAMI_SHOW_ENV").is_ok_and(|v| v == "1") {
         let mut vars: Vec<(String, String)> = std::env::vars()
             .filter(|(k, _)| {
-                k.starts_with("IVME_") || k == "RAYON_NUM_THREADS" || k.starts_with("MALLOC_")
+                k.starts_with("IVME_")
+                    || k == "RAYON_NUM_THREADS"
+                    || k.starts_with("MALLOC_")
+                    || k.starts_with("CANDLE_")
             })
             .collect();
         vars.sort();

@@ -147,7 +147,7 @@ fn every_rank_receives_the_settings() {
 
 #[test]
 #[cfg(target_os = "linux")]
-fn ranks_get_allocator_settings_unless_the_user_set_them() {
+fn ranks_get_allocator_and_candle_settings_unless_the_user_set_them() {
     let out = launch(2, &whoami(), &[], &[("WHOAMI_SHOW_ENV", "1")]);
     let (stdout, stderr) = text(&out);
     assert!(out.status.success(), "{stderr}");
@@ -156,6 +156,7 @@ fn ranks_get_allocator_settings_unless_the_user_set_them() {
         for var in [
             "MALLOC_MMAP_THRESHOLD_=33554432",
             "MALLOC_TRIM_THRESHOLD_=17179869184",
+            "CANDLE_BARRIER_POOL_SPIN_LIMIT=1000",
         ] {
             let line = format!("rank {rank}: {var}");
             assert!(
@@ -168,13 +169,21 @@ fn ranks_get_allocator_settings_unless_the_user_set_them() {
         2,
         &whoami(),
         &[],
-        &[("WHOAMI_SHOW_ENV", "1"), ("MALLOC_TRIM_THRESHOLD_", "4096")],
+        &[
+            ("WHOAMI_SHOW_ENV", "1"),
+            ("MALLOC_TRIM_THRESHOLD_", "4096"),
+            ("CANDLE_BARRIER_POOL_SPIN_LIMIT", "25000"),
+        ],
     );
     let (stdout, stderr) = text(&out);
     assert!(out.status.success(), "{stderr}");
     let got = lines(&stdout);
     assert!(
         got.contains(&"rank 1: MALLOC_TRIM_THRESHOLD_=4096"),
+        "{stdout}"
+    );
+    assert!(
+        got.contains(&"rank 1: CANDLE_BARRIER_POOL_SPIN_LIMIT=25000"),
         "{stdout}"
     );
     assert!(

@@ -41,8 +41,9 @@ fn notes() -> String {
          everything after PROGRAM is passed to it unchanged. Each rank sees IVME_NUM_PROCESSES,\n\
          IVME_LAUNCHER=ivme, RAYON_NUM_THREADS (cores shared between the ranks on a machine, one\n\
          fewer with --overlap, unless already set), glibc allocator settings on Linux (MALLOC_MMAP_THRESHOLD_ and\n\
-         MALLOC_TRIM_THRESHOLD_ unless set; IVME_MALLOC_TUNING=0 turns them off) and the variables\n\
-         of the settings given. Set {} to use a particular mpirun.\n\
+         MALLOC_TRIM_THRESHOLD_ unless set; IVME_MALLOC_TUNING=0 turns them off),\n\
+         CANDLE_BARRIER_POOL_SPIN_LIMIT=1000 unless set (candle's idle CPU worker otherwise spins\n\
+         a core away from the matrix products) and the variables of the settings given. Set {} to use a particular mpirun.\n\
          \nSettings come from flags, then these variables already in the environment:\n{},\n\
          then the config file (`ivme config`), then the defaults.\n\
          \nSeveral machines: run `ivme launch` on machine 0 only; mpirun starts every machine's\n\

@@ -157,9 +157,15 @@ impl LaunchPlan {
             ours.push((RAYON_VAR.into(), threads.to_string()));
         }
         ours.extend(tuning::malloc_tuning(inherited));
+        ours.extend(tuning::candle_tuning(inherited));
         let mut kept: Vec<(String, String)> = inherited
             .iter()
-            .filter(|(k, _)| k.starts_with("IVME_") || k == RAYON_VAR || tuning::is_malloc_var(k))
+            .filter(|(k, _)| {
+                k.starts_with("IVME_")
+                    || k == RAYON_VAR
+                    || k == tuning::CANDLE_SPIN_VAR
+                    || tuning::is_malloc_var(k)
+            })
             .filter(|(k, _)| k != mpirun::MPIRUN_VAR && !ours.iter().any(|(o, _)| o == k))
             .cloned()
             .collect();

@@ -298,6 +298,8 @@ fn open_mpi_ranks_run_under_the_wrapper_with_every_variable_forwarded() {
         "MALLOC_MMAP_THRESHOLD_",
         "-x",
         "MALLOC_TRIM_THRESHOLD_",
+        "-x",
+        "CANDLE_BARRIER_POOL_SPIN_LIMIT",
         "/opt/ivme",
         "__rank",
         "--status-dir",

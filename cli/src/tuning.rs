@@ -34,6 +34,20 @@ pub fn is_malloc_var(name: &str) -> bool {
     MALLOC_VARS.iter().any(|(m, _)| *m == name)
 }
 
+/// candle's pool spin limit for the ranks, unless the user set one (theirs is passed on): its
+/// idle worker would otherwise spin a core away from the next matrix product after every small
+/// op (runtime/src/setup/threads.rs). Set here too because candle reads it once, at its first
+/// parallel op, which a program may run before it builds the Accelerator.
+pub fn candle_tuning(inherited: &[(String, String)]) -> Vec<(String, String)> {
+    if inherited.iter().any(|(k, _)| k == CANDLE_SPIN_VAR) {
+        return Vec::new();
+    }
+    vec![(CANDLE_SPIN_VAR.to_string(), CANDLE_SPIN_LIMIT.to_string())]
+}
+
+/// candle's spin-limit variable, whose value a user sets is passed on to every rank.
+pub use ivme::env::{CANDLE_SPIN_LIMIT, CANDLE_SPIN_VAR};
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -54,5 +68,15 @@ mod tests {
         assert_eq!(got, vars(&[("MALLOC_TRIM_THRESHOLD_", "17179869184")]));
         assert!(malloc_tuning(&vars(&[(MALLOC_TUNING_VAR, "0")])).is_empty());
         assert!(is_malloc_var("MALLOC_TRIM_THRESHOLD_") && !is_malloc_var("MALLOC_ARENA_MAX"));
+    }
+
+    #[test]
+    fn ranks_get_candles_spin_limit_unless_the_user_chose() {
+        assert_eq!(
+            candle_tuning(&[]),
+            vars(&[("CANDLE_BARRIER_POOL_SPIN_LIMIT", "1000")])
+        );
+        let theirs = vars(&[("CANDLE_BARRIER_POOL_SPIN_LIMIT", "25000")]);
+        assert!(candle_tuning(&theirs).is_empty());
     }
 }

@@ -223,6 +223,8 @@ impl AcceleratorBuilder {
 
     /// Resolves the settings, joins the distributed run and builds the Accelerator.
     pub fn build(self) -> Result<Accelerator> {
+        // Before any thread of ivme's starts: it changes the environment.
+        crate::setup::threads::tune();
         let mut warnings = Vec::new();
         let step = self.resolve_step(&mut warnings)?;
         let comm_options = CommOptions {

@@ -43,6 +43,15 @@ pub const SLURM_NODEID: &str = "SLURM_NODEID";
 /// See [`SLURM_PROCID`].
 pub const SLURM_STEP_TASKS_PER_NODE: &str = "SLURM_STEP_TASKS_PER_NODE";
 
+/// candle's variable for how many times the idle worker of its CPU pool spins before it sleeps
+/// (candle's default: 25 000). The Accelerator's build and `ivme launch` set it to
+/// [`CANDLE_SPIN_LIMIT`] where the environment does not have it (the reason is in
+/// docs/performance.md).
+pub const CANDLE_SPIN_VAR: &str = "CANDLE_BARRIER_POOL_SPIN_LIMIT";
+
+/// The spin limit ivme gives candle's pool: enough to catch an op that follows at once.
+pub const CANDLE_SPIN_LIMIT: &str = "1000";
+
 /// Reads an on/off value: `1`, `true`, `on`, `yes` or `0`, `false`, `off`, `no` (any case).
 pub fn parse_bool(raw: &str) -> Option<bool> {
     match raw.trim().to_ascii_lowercase().as_str() {

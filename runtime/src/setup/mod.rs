@@ -7,3 +7,4 @@ pub mod env;
 pub mod preempt;
 pub mod state;
 pub(crate) mod status;
+pub(crate) mod threads;
