@@ -1,6 +1,9 @@
 //! `ivme::nn::linear`: `x · Wᵀ + b` equal to candle-nn's `Linear` forward and (through
 //! autograd) backward on 1-, 2-, 3- and 4-d inputs, contiguous or not, to finite differences,
-//! and in bf16/f16 close to f32's.
+//! and in bf16/f16 close to f32's. Through an Accelerator's backward, a weight's gradient is
+//! written in f32 straight from the products: a bf16 weight's is the f32 sum of its uses in one
+//! backward (other ops' included), rounded once; a checkpointed segment's is added as candle
+//! adds bf16 gradients.
 
 use candle_core::{DType, Device, Module, Result, Tensor, Var};
 use ivme::nn::{linear, linear_composed};
@@ -188,5 +191,83 @@ fn bad_inputs_are_clear_errors() -> Result<()> {
     assert!(err.to_string().contains("share a dtype"), "{err}");
     let err = linear(&x, &Tensor::zeros(3, DType::F32, &dev)?, None).unwrap_err();
     assert!(err.to_string().contains("(out, in)"), "{err}");
+    Ok(())
+}
+
+/// Whole numbers in [-16, 16]: their products and sums here are exact in f32 and often need
+/// rounding in bf16 (which holds every whole number only up to 256).
+fn whole(shape: &[usize], seed: u64) -> Result<Tensor> {
+    (tensor(shape, seed)? * 8.0)?.round()?.to_dtype(DType::BF16)
+}
+
+/// The gradient of a bf16 weight `w` (5 × 33) that an Accelerator's backward gives, in f32,
+/// and what it must be, from the same values in exact f32 arithmetic. The loss uses `w` in a
+/// plain candle product `w · c` and in a linear layer; in a second linear layer too, or, when
+/// `checkpointed`, the first inside a checkpointed segment (whose gradient a backward of its
+/// own gives, rounded, then added to the bf16 one of `w · c` as candle adds bf16 gradients).
+fn sink_case(checkpointed: bool) -> ivme::Result<(Tensor, Tensor)> {
+    let dev = Device::Cpu;
+    let mut acc = ivme::Accelerator::builder()
+        .cpu(true)
+        .precision(ivme::Precision::Bf16)
+        .grad_accum(2)
+        .activation_checkpointing(checkpointed)
+        .build()?;
+    let varmap = candle_nn::VarMap::new();
+    varmap.get((5, 33), "w", candle_nn::Init::Const(0.), DType::BF16, &dev)?;
+    let varmap = acc.prepare(varmap)?;
+    let w: Var = varmap.data().lock().unwrap()["w"].clone();
+    w.set(&whole(&[5, 33], 20)?)?;
+    let (x1, x2, c) = (
+        whole(&[37, 33], 21)?,
+        whole(&[2, 9, 33], 22)?,
+        whole(&[5, 33], 23)?,
+    );
+    let (m1, m2) = (whole(&[37, 5], 24)?, whole(&[2, 9, 5], 25)?);
+    let first = if checkpointed {
+        let w = w.as_tensor().clone();
+        ivme::activations::checkpoint(&x1, move |x| linear(x, &w, None))?
+    } else {
+        linear(&x1, &w, None)?
+    };
+    let mut loss = ((first * &m1)?.sum_all()? + (w.as_tensor() * &c)?.sum_all()?)?;
+    if !checkpointed {
+        loss = (loss + (linear(&x2, &w, None)? * &m2)?.sum_all()?)?;
+    }
+    acc.backward(&loss)?;
+    // The first of the window's two micro-batches: its gradient, as half the window's mean.
+    let got = (acc.accumulated_gradient(&w)?.expect("a gradient") * 2.0)?;
+    let f = |t: &Tensor| t.to_dtype(DType::F32);
+    let round = |t: &Tensor| t.to_dtype(DType::BF16)?.to_dtype(DType::F32);
+    let dw1 = f(&m1)?.t()?.matmul(&f(&x1)?)?;
+    let want = if checkpointed {
+        round(&(round(&dw1)? + f(&c)?)?)?
+    } else {
+        let dw2 = f(&m2)?
+            .reshape((18, 5))?
+            .t()?
+            .matmul(&f(&x2)?.reshape((18, 33))?)?;
+        round(&((dw1 + dw2)? + f(&c)?)?)?
+    };
+    Ok((got, want))
+}
+
+#[test]
+fn an_accelerators_backward_rounds_a_bf16_weights_gradient_once() -> ivme::Result<()> {
+    for checkpointed in [false, true] {
+        let (got, want) = sink_case(checkpointed)?;
+        let (got, want) = (got.flatten_all()?, want.flatten_all()?);
+        let (got, want) = (got.to_vec1::<f32>()?, want.to_vec1::<f32>()?);
+        let off = got.iter().zip(&want).filter(|(g, w)| g != w).count();
+        assert_eq!(
+            off, 0,
+            "checkpointed {checkpointed}: {off} of 165 elements differ"
+        );
+        // The case needs rounding: some sums lie above 256.
+        assert!(
+            want.iter().any(|w| w.abs() > 256.),
+            "checkpointed {checkpointed}"
+        );
+    }
     Ok(())
 }

@@ -4,6 +4,7 @@
 
 use super::tape::{self, Segment};
 use crate::error::{Error, Result};
+use crate::nn::grad_sink;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor};
 use std::time::{Duration, Instant};
@@ -31,7 +32,7 @@ impl Recomputed {
 pub(crate) fn backward(loss: &Tensor, verify: bool) -> Result<Recomputed> {
     let segments = tape::take();
     let weights = tape::weights();
-    let mut store = detached(loss.backward()?);
+    let mut store = detached(grad_sink::backward(loss)?);
     let mut spans = Vec::new();
     let count = segments.len();
     for (k, segment) in segments.into_iter().enumerate().rev() {
@@ -74,7 +75,7 @@ pub(crate) fn backward(loss: &Tensor, verify: bool) -> Result<Recomputed> {
         }
         drop(output);
         let seed = grad.detach();
-        let mut part = (again * &seed)?.sum_all()?.backward()?;
+        let mut part = grad_sink::backward(&(again * &seed)?.sum_all()?)?;
         // candle gives `seed` a gradient too (`again` itself, graph and all): not wanted.
         part.remove(&seed);
         if let Some(w) = &weights {

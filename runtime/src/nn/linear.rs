@@ -331,6 +331,11 @@ impl CustomOp2 for Linear {
         } else {
             grad.contiguous()?
         };
+        if let Some(dw) = super::grad_sink::buffer_for(weight) {
+            // ivme runs this backward: `dW` goes to the weight's f32 buffer, not the store.
+            let dx = x.apply_op3_no_bwd(weight, &grad, &LinearBwdInto { dw })?;
+            return Ok((Some(dx.reshape(x.shape())?), None));
+        }
         let packed = x.apply_op3_no_bwd(weight, &grad, &LinearBwd)?;
         let (nx, nw) = (x.elem_count(), weight.elem_count());
         let dx = packed.narrow(0, 0, nx)?.reshape(x.shape())?;
@@ -393,4 +398,82 @@ fn bwd<T: Elem>(x: &[T], rx: Rows, w: &[T], rw: Rows, d: &[T], rd: Rows) -> Vec<
             product(dw, [o, k, n], d.mat().t(), x.mat());
         }
     })
+}
+
+/// The backward op while ivme runs the backward: `x`, `weight`, the output's gradient → `dx`;
+/// `dW` written into (or, after the weight's first use, added to) the weight's f32 buffer
+/// (`grad_sink.rs`).
+struct LinearBwdInto {
+    dw: super::grad_sink::Buffer,
+}
+
+impl CustomOp3 for LinearBwdInto {
+    fn name(&self) -> &'static str {
+        "ivme-linear-bwd-into"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let rx = Rows::of_op(l1, OP, "x")?;
+        let rw = Rows::of_op(l2, OP, "weight")?;
+        let rd = Rows::of_op(l3, OP, "the output's gradient")?;
+        let mut dw = self
+            .dw
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        use CpuStorage::{BF16, F16, F32};
+        let out = match (s1, s2, s3) {
+            (F32(x), F32(w), F32(d)) => F32(bwd_into(x, rx, w, rw, d, rd, &mut dw)),
+            (BF16(x), BF16(w), BF16(d)) => BF16(bwd_into(x, rx, w, rw, d, rd, &mut dw)),
+            (F16(x), F16(w), F16(d)) => F16(bwd_into(x, rx, w, rw, d, rd, &mut dw)),
+            _ => return Err(elem::mixed(OP, &[s1, s2, s3])),
+        };
+        Ok((out, Shape::from(rx.rows * rx.width)))
+    }
+}
+
+fn bwd_into<T: Elem>(
+    x: &[T],
+    rx: Rows,
+    w: &[T],
+    rw: Rows,
+    d: &[T],
+    rd: Rows,
+    dw: &mut Vec<f32>,
+) -> Vec<T> {
+    let (n, k, o) = (rx.rows, rx.width, rw.rows);
+    let (x, w, d) = (wide(x, rx), wide(w, rw), wide(d, rd));
+    // SAFETY: `d` is n × o, `w` o × k and `x` n × k inside their slices; `dx` is a fresh
+    // buffer of n × k, and `dw` the weight's own buffer: empty (then o × k are reserved and
+    // every one written) or o × k written by the weight's earlier use.
+    let dx = written(n * k, |dst| unsafe {
+        product(dst, [n, k, o], d.mat(), w.mat())
+    });
+    if dw.is_empty() {
+        dw.reserve_exact(o * k);
+        unsafe {
+            product(
+                &mut dw.spare_capacity_mut()[..o * k],
+                [o, k, n],
+                d.mat().t(),
+                x.mat(),
+            );
+            dw.set_len(o * k);
+        }
+    } else {
+        assert_eq!(
+            dw.len(),
+            o * k,
+            "a weight's gradient buffer has the weight's size"
+        );
+        unsafe { product_into(dw, [o, k, n], d.mat().t(), x.mat(), true) };
+    }
+    dx
 }

@@ -11,7 +11,10 @@
 //! `Linear` as one graph node), [`gated`] (the gated MLP's `act(gate) · up`) and
 //! [`attention_bthd`] (attention over the projections' own layout). candle's backward gives
 //! every graph node, views included, a zero-filled gradient and adds into it; fewer nodes and
-//! one pass per op is most of what separates a candle training step from PyTorch's.
+//! one pass per op is most of what separates a candle training step from PyTorch's. Through
+//! an Accelerator's `backward`, [`linear`] also writes each weight's gradient straight into an
+//! f32 buffer of its own (summed over the weight's uses, rounded once to a 16-bit weight's
+//! dtype), so no weight's gradient is zero-filled and added into.
 //!
 //! ```
 //! use candle_core::{Device, Tensor, Var};
@@ -30,6 +33,7 @@ mod cross_entropy;
 mod elem;
 mod fastmath;
 mod gated;
+pub(crate) mod grad_sink;
 mod linear;
 mod linear_ce;
 mod norm;
