@@ -333,10 +333,10 @@ impl CustomOp2 for Linear {
         };
         if let Some(dw) = super::grad_sink::buffer_for(weight) {
             // ivme runs this backward: `dW` goes to the weight's f32 buffer, not the store.
-            let dx = x.apply_op3_no_bwd(weight, &grad, &LinearBwdInto { dw })?;
+            let dx = x.apply_op3_no_bwd(weight, &grad, &LinearBwd { dw: Some(dw) })?;
             return Ok((Some(dx.reshape(x.shape())?), None));
         }
-        let packed = x.apply_op3_no_bwd(weight, &grad, &LinearBwd)?;
+        let packed = x.apply_op3_no_bwd(weight, &grad, &LinearBwd { dw: None })?;
         let (nx, nw) = (x.elem_count(), weight.elem_count());
         let dx = packed.narrow(0, 0, nx)?.reshape(x.shape())?;
         let dw = packed.narrow(0, nx, nw)?.reshape(weight.shape())?;
@@ -354,8 +354,12 @@ fn fwd<T: Elem>(x: &[T], rx: Rows, w: &[T], rw: Rows) -> Vec<T> {
     })
 }
 
-/// The backward op: `x`, `weight`, the output's gradient → `dx` then `dW`, flat.
-struct LinearBwd;
+/// The backward op: `x`, `weight`, the output's gradient → `dx` then `dW`, flat; or, while
+/// ivme runs the backward, `dx` alone, with `dW` written into (after the weight's first use,
+/// added to) the weight's f32 buffer (`grad_sink.rs`).
+struct LinearBwd {
+    dw: Option<super::grad_sink::Buffer>,
+}
 
 impl CustomOp3 for LinearBwd {
     fn name(&self) -> &'static str {
@@ -374,106 +378,73 @@ impl CustomOp3 for LinearBwd {
         let rx = Rows::of_op(l1, OP, "x")?;
         let rw = Rows::of_op(l2, OP, "weight")?;
         let rd = Rows::of_op(l3, OP, "the output's gradient")?;
-        let len = rx.rows * rx.width + rw.rows * rw.width;
+        let mut sink = self
+            .dw
+            .as_ref()
+            .map(|b| b.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
+        let len = rx.rows * rx.width
+            + if sink.is_some() {
+                0
+            } else {
+                rw.rows * rw.width
+            };
+        let dw = sink.as_deref_mut();
         use CpuStorage::{BF16, F16, F32};
         let out = match (s1, s2, s3) {
-            (F32(x), F32(w), F32(d)) => F32(bwd(x, rx, w, rw, d, rd)),
-            (BF16(x), BF16(w), BF16(d)) => BF16(bwd(x, rx, w, rw, d, rd)),
-            (F16(x), F16(w), F16(d)) => F16(bwd(x, rx, w, rw, d, rd)),
+            (F32(x), F32(w), F32(d)) => F32(bwd(x, rx, w, rw, d, rd, dw)),
+            (BF16(x), BF16(w), BF16(d)) => BF16(bwd(x, rx, w, rw, d, rd, dw)),
+            (F16(x), F16(w), F16(d)) => F16(bwd(x, rx, w, rw, d, rd, dw)),
             _ => return Err(elem::mixed(OP, &[s1, s2, s3])),
         };
         Ok((out, Shape::from(len)))
     }
 }
 
-fn bwd<T: Elem>(x: &[T], rx: Rows, w: &[T], rw: Rows, d: &[T], rd: Rows) -> Vec<T> {
-    let (n, k, o) = (rx.rows, rx.width, rw.rows);
-    let (x, w, d) = (wide(x, rx), wide(w, rw), wide(d, rd));
-    written(n * k + o * k, |dst| {
-        let (dx, dw) = dst.split_at_mut(n * k);
-        // SAFETY: `d` is n × o, `w` o × k and `x` n × k inside their slices; `dx` (n × k)
-        // and `dw` (o × k) are the two disjoint parts of a fresh buffer.
-        unsafe {
-            product(dx, [n, k, o], d.mat(), w.mat());
-            product(dw, [o, k, n], d.mat().t(), x.mat());
-        }
-    })
-}
-
-/// The backward op while ivme runs the backward: `x`, `weight`, the output's gradient → `dx`;
-/// `dW` written into (or, after the weight's first use, added to) the weight's f32 buffer
-/// (`grad_sink.rs`).
-struct LinearBwdInto {
-    dw: super::grad_sink::Buffer,
-}
-
-impl CustomOp3 for LinearBwdInto {
-    fn name(&self) -> &'static str {
-        "ivme-linear-bwd-into"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let rx = Rows::of_op(l1, OP, "x")?;
-        let rw = Rows::of_op(l2, OP, "weight")?;
-        let rd = Rows::of_op(l3, OP, "the output's gradient")?;
-        let mut dw = self
-            .dw
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        use CpuStorage::{BF16, F16, F32};
-        let out = match (s1, s2, s3) {
-            (F32(x), F32(w), F32(d)) => F32(bwd_into(x, rx, w, rw, d, rd, &mut dw)),
-            (BF16(x), BF16(w), BF16(d)) => BF16(bwd_into(x, rx, w, rw, d, rd, &mut dw)),
-            (F16(x), F16(w), F16(d)) => F16(bwd_into(x, rx, w, rw, d, rd, &mut dw)),
-            _ => return Err(elem::mixed(OP, &[s1, s2, s3])),
-        };
-        Ok((out, Shape::from(rx.rows * rx.width)))
-    }
-}
-
-fn bwd_into<T: Elem>(
+/// `dx`, then `dW` unless `sink` takes it: empty (then o × k are reserved and every one
+/// written) or holding the weight's gradient from an earlier use (then added to).
+fn bwd<T: Elem>(
     x: &[T],
     rx: Rows,
     w: &[T],
     rw: Rows,
     d: &[T],
     rd: Rows,
-    dw: &mut Vec<f32>,
+    sink: Option<&mut Vec<f32>>,
 ) -> Vec<T> {
     let (n, k, o) = (rx.rows, rx.width, rw.rows);
     let (x, w, d) = (wide(x, rx), wide(w, rw), wide(d, rd));
-    // SAFETY: `d` is n × o, `w` o × k and `x` n × k inside their slices; `dx` is a fresh
-    // buffer of n × k, and `dw` the weight's own buffer: empty (then o × k are reserved and
-    // every one written) or o × k written by the weight's earlier use.
-    let dx = written(n * k, |dst| unsafe {
-        product(dst, [n, k, o], d.mat(), w.mat())
-    });
-    if dw.is_empty() {
-        dw.reserve_exact(o * k);
+    let own_dw = if sink.is_some() { 0 } else { o * k };
+    let out = written(n * k + own_dw, |dst| {
+        let (dx, dw) = dst.split_at_mut(n * k);
+        // SAFETY: `d` is n × o, `w` o × k and `x` n × k inside their slices; `dx` (n × k)
+        // and `dw` (o × k, or nothing) are the two disjoint parts of a fresh buffer.
         unsafe {
-            product(
-                &mut dw.spare_capacity_mut()[..o * k],
-                [o, k, n],
-                d.mat().t(),
-                x.mat(),
-            );
-            dw.set_len(o * k);
+            product(dx, [n, k, o], d.mat(), w.mat());
+            if own_dw > 0 {
+                product(dw, [o, k, n], d.mat().t(), x.mat());
+            }
         }
-    } else {
-        assert_eq!(
-            dw.len(),
-            o * k,
-            "a weight's gradient buffer has the weight's size"
-        );
-        unsafe { product_into(dw, [o, k, n], d.mat().t(), x.mat(), true) };
+    });
+    match sink {
+        None => {}
+        Some(dw) if dw.is_empty() => {
+            dw.reserve_exact(o * k);
+            // SAFETY: as above; the o × k reserved elements are every one written.
+            unsafe {
+                product(
+                    &mut dw.spare_capacity_mut()[..o * k],
+                    [o, k, n],
+                    d.mat().t(),
+                    x.mat(),
+                );
+                dw.set_len(o * k);
+            }
+        }
+        Some(dw) => {
+            assert_eq!(dw.len(), o * k, "a weight's gradient buffer has its size");
+            // SAFETY: as above; `dw` holds o × k elements.
+            unsafe { product_into(dw, [o, k, n], d.mat().t(), x.mat(), true) };
+        }
     }
-    dx
+    out
 }
