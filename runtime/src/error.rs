@@ -212,3 +212,10 @@ impl From<Error> for candle_core::Error {
         }
     }
 }
+
+/// Turns an I/O error into ivme's, saying what was being done to which path (for
+/// `map_err(io_at("reading", path))`).
+pub(crate) fn io_at(what: &str, path: &std::path::Path) -> impl FnOnce(std::io::Error) -> Error {
+    let context = format!("{what} {}", path.display());
+    move |e| Error::io(context, e)
+}

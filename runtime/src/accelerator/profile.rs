@@ -84,7 +84,7 @@ impl Profiling {
             trace: Arc::new(Trace::new()),
             rank: state.rank,
             world_size: state.world_size,
-            host: crate::checkpoint::lock::host_name(),
+            host: crate::setup::state::host_name(),
             written: AtomicBool::new(false),
             metrics: Mutex::new(None),
         }

@@ -6,15 +6,10 @@ use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use super::faults::crash_point;
-use crate::error::{CheckpointErrorKind, Error, Result};
+use crate::error::{io_at, CheckpointErrorKind, Error, Result};
 
 /// Buffer large enough that tensor writes reach the kernel in big pieces.
 const BUF: usize = 1 << 20;
-
-pub(crate) fn io_at(what: &str, path: &Path) -> impl FnOnce(std::io::Error) -> Error {
-    let context = format!("{what} {}", path.display());
-    move |e| Error::io(context, e)
-}
 
 /// Flushes a folder's entries to disk, so a rename or a new file inside it survives a crash.
 pub(crate) fn sync_dir(dir: &Path) -> Result<()> {

@@ -21,8 +21,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
-use super::fsio::io_at;
+use crate::error::io_at;
 use crate::error::{CheckpointErrorKind, Error, Result};
+use crate::setup::state::host_name;
 
 /// Name of the lock file inside a locked folder.
 pub const LOCK_FILE: &str = ".ivme-lock";
@@ -51,19 +52,6 @@ impl Holder {
                 .duration_since(UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs()),
         }
-    }
-}
-
-/// This machine's host name (`unknown-host` when the system will not say).
-pub(crate) fn host_name() -> String {
-    let mut buf = [0u8; 256];
-    // SAFETY: the buffer is valid for its length; gethostname NUL-terminates within it or
-    // truncates, and we stop at the first NUL or the end either way.
-    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
-    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
-    match (rc, std::str::from_utf8(&buf[..end])) {
-        (0, Ok(s)) if !s.is_empty() => s.to_string(),
-        _ => "unknown-host".into(),
     }
 }
 

@@ -7,7 +7,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::format::bad;
-use super::fsio::{io_at, kind_name, read_regular, size_and_crc};
+use super::fsio::{kind_name, read_regular, size_and_crc};
+use crate::error::io_at;
 use crate::error::{CheckpointErrorKind, Error, Result};
 
 /// Version of the folder layout written by this build.

@@ -9,7 +9,8 @@ use candle_core::{Device, Tensor, Var};
 use serde_json::{json, Value};
 
 use super::format::{self, bad};
-use super::fsio::{io_at, sync_dir, Staged};
+use super::fsio::{sync_dir, Staged};
+use crate::error::io_at;
 use crate::error::{Error, Result};
 
 /// File name of an unsharded model.

@@ -2,8 +2,9 @@
 
 use std::path::{Path, PathBuf};
 
-use super::fsio::{io_at, remove_dir_atomic};
+use super::fsio::remove_dir_atomic;
 use super::store::{verify, Manifest, MANIFEST_FILE};
+use crate::error::io_at;
 use crate::error::{CheckpointErrorKind, Error, Result};
 
 /// Prefix of automatically named checkpoint folders (`checkpoint_0`, `checkpoint_1`, ...).

@@ -21,10 +21,12 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use super::faults::crash_point;
 use super::format::bad;
-use super::fsio::{io_at, parent_of, remove_tree, rename_noreplace, sync_dir};
-use super::lock::{host_name, try_flock, FolderLock, Holder};
+use super::fsio::{parent_of, remove_tree, rename_noreplace, sync_dir};
+use super::lock::{try_flock, FolderLock, Holder};
 use super::manifest::verify;
+use crate::error::io_at;
 use crate::error::{Error, Result};
+use crate::setup::state::host_name;
 
 const SAVE_TAG: &str = ".save-";
 

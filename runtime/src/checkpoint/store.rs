@@ -18,7 +18,7 @@ use serde_json::Value;
 use super::faults::crash_point;
 use super::format::{self, bad};
 use super::fsio::{
-    io_at, parent_of, read_regular, remove_dir_atomic, rename_noreplace, sync_dir, write_synced,
+    parent_of, read_regular, remove_dir_atomic, rename_noreplace, sync_dir, write_synced,
 };
 pub(crate) use super::manifest::verify_listing;
 use super::manifest::{check_entry, encode_manifest, list_files, rank_dir, safe_rel, RANK_INDEX};
@@ -27,7 +27,7 @@ pub use super::manifest::{
 };
 use super::read;
 pub use super::staging::{abandon, begin, clean_stale, Cleaned};
-use crate::error::{CheckpointErrorKind, Error, Result};
+use crate::error::{io_at, CheckpointErrorKind, Error, Result};
 
 /// One saved piece of a rank's state (a model, optimizer, loader, RNG, ...): tensors plus JSON.
 #[derive(Debug, Clone)]
@@ -98,7 +98,7 @@ pub fn write_rank(tmp: &Path, rank: usize, state: &RankState) -> Result<()> {
                  save: the checkpoint folder must be one folder every machine sees at the same \
                  path (a shared file system such as NFS), not a folder on each machine's own \
                  disk or in /dev/shm",
-                super::lock::host_name()
+                crate::setup::state::host_name()
             ),
         ));
     }

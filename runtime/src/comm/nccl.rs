@@ -55,7 +55,7 @@ impl NcclComm {
         let control = MpiComm::init(options)?;
         let mine = format!(
             "{}/{}",
-            crate::checkpoint::lock::host_name(),
+            crate::setup::state::host_name(),
             device.cuda_stream().context().ordinal()
         );
         let mut places = control.all_gather_bytes(mine.as_bytes())?;

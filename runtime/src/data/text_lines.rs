@@ -2,7 +2,7 @@
 //! index (the byte offset where each line starts) is built once per file and cached beside it.
 
 use super::{DataFile, Dataset};
-use crate::checkpoint::fsio::io_at;
+use crate::error::io_at;
 use crate::{Error, Result};
 use candle_core::Device;
 use std::fs::File;

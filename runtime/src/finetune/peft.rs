@@ -3,8 +3,9 @@
 
 use super::base::base_files;
 use super::LoraConfig;
-use crate::checkpoint::fsio::{io_at, Staged};
+use crate::checkpoint::fsio::Staged;
 use crate::checkpoint::model::{save_model, ShardSize, INDEX_FILE};
+use crate::error::io_at;
 use crate::error::{Error, Result};
 use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Tensor};

@@ -190,6 +190,19 @@ pub fn select_device(local_rank: usize, cpu: bool) -> Result<Device> {
     Ok(Device::Cpu)
 }
 
+/// This machine's host name (`unknown-host` when the system will not say).
+pub(crate) fn host_name() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: the buffer is valid for its length; gethostname NUL-terminates within it or
+    // truncates, and we stop at the first NUL or the end either way.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    match (rc, std::str::from_utf8(&buf[..end])) {
+        (0, Ok(s)) if !s.is_empty() => s.to_string(),
+        _ => "unknown-host".into(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -2,8 +2,8 @@
 //! holds), mapped into memory and decoded without copying: a row is read where it lies.
 
 use super::{hf, same_types, Columns, Offsets, Row};
-use crate::checkpoint::fsio::io_at;
 use crate::data::{DataFile, Dataset};
+use crate::error::io_at;
 use crate::{Error, Result};
 use arrow_array::RecordBatch;
 use arrow_buffer::Buffer;

@@ -1,6 +1,6 @@
 //! Finding a split's Arrow files in a Hugging Face `datasets` folder.
 
-use crate::checkpoint::fsio::io_at;
+use crate::error::io_at;
 use crate::{Error, Result};
 use serde_json::Value as Json;
 use std::path::{Path, PathBuf};

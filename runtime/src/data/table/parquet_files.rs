@@ -2,8 +2,8 @@
 //! rows it asks for, row group by row group.
 
 use super::{same_types, Columns, Offsets, Row};
-use crate::checkpoint::fsio::io_at;
 use crate::data::{DataFile, Dataset};
+use crate::error::io_at;
 use crate::{Error, Result};
 use arrow_array::RecordBatch;
 use bytes::Bytes;
