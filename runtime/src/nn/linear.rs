@@ -70,18 +70,30 @@ pub fn linear_composed(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Re
     candle_core::Module::forward(&layer, x)
 }
 
-fn check(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<()> {
-    let (out, inp) = match weight.dims() {
+/// A product's weight as `(out, in)`, refusing a weight that is not a matrix or an `x` whose
+/// last dimension is not `in` (for `op`'s messages; `out` names the weight's rows there).
+pub(super) fn weight_dims(
+    op: &str,
+    out: &str,
+    x: &Tensor,
+    weight: &Tensor,
+) -> Result<(usize, usize)> {
+    let (o, inp) = match weight.dims() {
         &[o, i] => (o, i),
-        d => candle_core::bail!("ivme::nn::{OP}: weight must be (out, in), got shape {d:?}"),
+        d => candle_core::bail!("ivme::nn::{op}: weight must be ({out}, in), got shape {d:?}"),
     };
     if x.dims().last() != Some(&inp) {
         candle_core::bail!(
-            "ivme::nn::{OP}: x of shape {:?} does not end in the weight's input size {inp} (weight {:?})",
+            "ivme::nn::{op}: x of shape {:?} does not end in the weight's input size {inp} (weight {:?})",
             x.dims(),
             weight.dims()
         )
     }
+    Ok((o, inp))
+}
+
+fn check(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<()> {
+    let (out, _) = weight_dims(OP, "out", x, weight)?;
     if let Some(b) = bias {
         if b.dims() != [out] {
             candle_core::bail!(

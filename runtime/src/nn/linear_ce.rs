@@ -54,17 +54,7 @@ pub fn linear_cross_entropy(
     labels: &Tensor,
     ignore_index: i64,
 ) -> Result<Tensor> {
-    let (classes, inp) = match weight.dims() {
-        &[c, i] => (c, i),
-        d => candle_core::bail!("ivme::nn::{OP}: weight must be (classes, in), got {d:?}"),
-    };
-    if x.dims().last() != Some(&inp) {
-        candle_core::bail!(
-            "ivme::nn::{OP}: x of shape {:?} does not end in the weight's input size {inp} (weight {:?})",
-            x.dims(),
-            weight.dims()
-        )
-    }
+    let (classes, inp) = super::linear::weight_dims(OP, "classes", x, weight)?;
     if x.dtype() != weight.dtype() {
         candle_core::bail!(
             "ivme::nn::{OP}: x is {:?} but weight is {:?}; they must share a dtype",
